@@ -1,0 +1,1 @@
+"""Credit assignment for CoD rollouts (SPEC.md section 3)."""

@@ -1,0 +1,528 @@
+"""The configuration of a cod-fast run: one tree of dataclasses, named presets, YAML and overrides.
+
+A run is resolved in three layers, each validated as a whole: a named preset, then a YAML file
+deep-merged over it, then ``a.b.c=value`` overrides. Every config class checks its fields against
+their type hints (``_Config``) and adds its own range checks; an error names the dotted field, the
+bad value and what is allowed. The loss fields are the knobs of SPEC.md section 4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+PolicyLoss = Literal["ppo", "rec_one_side", "rec_one_side_is", "opd"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RolloutCorrection = Literal["none", "tis", "mis_token", "mis_sequence"]
+Aggregation = Literal[
+    "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+]
+EnvName = Literal["frozenlake", "alchemy", "terminal", "optimal_control", "pde", "grid_nav"]
+
+
+class ConfigError(ValueError):
+    """A config key, value or file that cannot be used; the message says where and why."""
+
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        self.problem = problem
+        super().__init__(f"{key}: {problem}")
+
+    def under(self, path: str) -> ConfigError:
+        """The same error with ``path`` prepended to its key (``loss.x`` -> ``algo.loss.x``)."""
+        return ConfigError(f"{path}.{self.key}", self.problem) if path else self
+
+
+class _Config:
+    """Base of every config dataclass: checks each field against its type hint.
+
+    Literal fields must hold one of their values, ``X | None`` fields may be None, bool is not an
+    int, an int is accepted (and stored as float) for a float field, and a nested config must be
+    an instance of its class. Subclasses extend ``__post_init__`` with their range checks.
+    """
+
+    def __post_init__(self) -> None:
+        hints = _type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value, hint = getattr(self, f.name), hints[f.name]
+            if not _fits(value, hint):
+                raise ConfigError(f.name, f"got {value!r}; expected {_describe(hint)}")
+            if type(value) is int and float in (hint, *typing.get_args(hint)):
+                setattr(self, f.name, float(value))
+
+    def _require(self, ok: bool, name: str, expected: str) -> None:
+        if not ok:
+            raise ConfigError(name, f"got {getattr(self, name)!r}; expected {expected}")
+
+    def _at_least(self, low: float, *names: str) -> None:
+        for name in names:
+            kind = "an integer" if isinstance(getattr(self, name), int) else "a number"
+            self._require(getattr(self, name) >= low, name, f"{kind} >= {low}")
+
+    def _above(self, low: float, *names: str) -> None:
+        for name in names:
+            self._require(getattr(self, name) > low, name, f"a number > {low}")
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    names = {type(None): "null", float: "a number", int: "an integer", bool: "true or false"}
+    return names.get(hint) or ("a string" if hint is str else f"a mapping of {hint.__name__}")
+
+
+@dataclass(kw_only=True)
+class LossConfig(_Config):
+    """The policy loss over packed, segmented tokens (SPEC.md section 4)."""
+
+    policy: PolicyLoss = "ppo"
+    """GRPO-clipped `ppo`, one-side REC (`rec_one_side`, CoD runs; `_is` weights by the ratio), or
+    on-policy distillation `opd`."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Ratio per token, or one geometric-mean ratio per segment (`sequence`, GSPO)."""
+    eps_low: float = 0.2
+    """Lower clip range: ratios below 1 - eps_low are clipped (ppo) or dropped (rec) for A < 0."""
+    eps_high: float = 0.2
+    """Upper clip range: ratios above 1 + eps_high are clipped (ppo) or dropped (rec) for A >= 0."""
+    kl: KLEstimator | None = None
+    """KL estimator to the reference policy; null skips the reference forward."""
+    beta: float = 0.0
+    """Weight of the KL term; > 0 needs `kl`."""
+    entropy_coef: float = 0.0
+    """Weight alpha of the entropy bonus -alpha H_t."""
+    rollout_correction: RolloutCorrection = "none"
+    """Correction for sampler/trainer mismatch: truncated IS (`tis`) or masking (`mis_*`)."""
+    tis_cap: float = 2.0
+    """Cap C of the truncated importance weight min(exp(old - roll), C)."""
+    mis_low: float = 0.5
+    """Masked IS keeps tokens (or segments) whose ratio is at least this."""
+    mis_high: float = 2.0
+    """Masked IS keeps tokens (or segments) whose ratio is at most this."""
+    agg: Aggregation = "token-mean"
+    """How per-token losses are reduced; the denominator is fixed for the whole optimizer step."""
+    max_response_len: int = 1024
+    """The fixed response length in the denominator of `seq-mean-token-sum-norm`."""
+    temperature: float = 1.0
+    """Divides the logits in the loss and in the sampler; the only temperature of a run."""
+    opd_coef: float = 1.0
+    """Coefficient of the distillation advantage coef * (teach - logp) for `opd`."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(0 <= self.eps_low < 1, "eps_low", "a number in [0, 1)")
+        self._at_least(0, "eps_high", "beta", "entropy_coef")
+        self._above(0, "tis_cap", "mis_low", "temperature", "opd_coef")
+        self._above(self.mis_low, "mis_high")
+        self._at_least(1, "max_response_len")
+        if self.beta > 0 and self.kl is None:
+            raise ConfigError("kl", f"got None with beta={self.beta}; set `kl` to k1, k2 or k3")
+
+
+@dataclass(kw_only=True)
+class ModelConfig(_Config):
+    """The policy model and how it runs."""
+
+    name_or_path: str = "builtin:tiny-qwen3"
+    """A Hugging Face folder or hub id, or `builtin:tiny-qwen3`, built locally from the fields
+    below."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype; `auto` is bfloat16 on a GPU and float32 on the CPU."""
+    attn_impl: Literal["auto", "flash_attn", "varlen_attn", "sdpa"] = "auto"
+    """Attention over packed sequences; `auto` picks the best one installed."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    hidden_size: int = 96
+    """Builtin models only: width of the residual stream."""
+    num_layers: int = 3
+    """Builtin models only: number of decoder layers."""
+    num_heads: int = 4
+    """Builtin models only: attention heads; must divide hidden_size."""
+    intermediate_size: int = 256
+    """Builtin models only: width of the MLP."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
+        divisible = self.hidden_size % self.num_heads == 0
+        self._require(divisible, "hidden_size", f"a multiple of num_heads={self.num_heads}")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(_Config):
+    """Which environment is rolled out, and how packs are sampled."""
+
+    env: EnvName = "frozenlake"
+    """The environment family."""
+    env_setting: Literal["train", "eval"] = "train"
+    """Which split of the environment's hidden rules the packs are drawn from."""
+    env_size: Literal["tiny", "full"] = "tiny"
+    """`tiny` shrinks the environment so a CPU-sized model can learn it."""
+    strategy: Literal["cod", "ralph_sample", "ralph_full"] = "cod"
+    """How the context is carried between the tasks of a pack."""
+    packs_per_step: int = 8
+    """Distinct packs per optimizer step; each is rolled out group_size times."""
+    group_size: int = 8
+    """G: independent rollouts of the same pack, the baseline group."""
+    tasks_per_pack: int = 4
+    """K: tasks per pack (K solve episodes, K - 1 update episodes)."""
+    max_response_tokens: int = 512
+    """Cap on the tokens of one model response."""
+    max_hint_tokens: int = 256
+    """Hints longer than this are truncated, not rejected."""
+    min_hint_chars: int = 1
+    """Hints shorter than this count as missing."""
+    hint_penalty: float = 0.1
+    """Missing hints give the update episode the reward -hint_penalty."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    sampler: Literal["auto", "torch", "vllm"] = "auto"
+    """Generation backend; `auto` is vllm when installed on a GPU, torch otherwise."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Share of GPU memory vLLM may take; the trainer needs the rest."""
+    eval_packs: int = 64
+    """Packs rolled out per evaluation; 0 turns evaluation off."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(1, "packs_per_step", "tasks_per_pack", "max_response_tokens")
+        self._at_least(1, "max_hint_tokens")
+        self._at_least(2, "group_size")  # the baseline is a group mean
+        self._at_least(0, "min_hint_chars", "hint_penalty", "eval_packs")
+        self._require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        memory_ok = 0 < self.vllm_gpu_memory_utilization < 1
+        self._require(memory_ok, "vllm_gpu_memory_utilization", "a number in (0, 1)")
+
+
+@dataclass(kw_only=True)
+class AlgoConfig(_Config):
+    """Credit assignment (SPEC.md section 3) and the policy loss."""
+
+    algorithm: Literal["cod", "task_by_task"] = "cod"
+    """CoD returns over the pack, or the task-by-task GRPO baseline without update episodes."""
+    return_style: Literal["mean", "window", "discounted"] = "mean"
+    """How the returns of later tasks are combined."""
+    window: int | None = None
+    """Entries averaged by return_style `window`; set exactly when that style is used."""
+    gamma: float | None = None
+    """Discount in (0, 1] for return_style `discounted`; set exactly when that style is used."""
+    std_norm: bool = False
+    """Divide advantages by the group's standard deviation."""
+    red_weight: bool = True
+    """Adaptive re-weighting that keeps the token-weighted mean advantage >= 0."""
+    old_logp: Literal["bypass", "recompute"] = "bypass"
+    """Take the ratio against the sampler's log-probs, or recompute them with the trainer."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy loss."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.return_style == "window":
+            ok = self.window is not None and self.window >= 1
+            self._require(ok, "window", "an integer >= 1 with return_style='window'")
+        else:
+            self._require(self.window is None, "window", "null unless return_style='window'")
+        if self.return_style == "discounted":
+            ok = self.gamma is not None and 0 < self.gamma <= 1
+            self._require(ok, "gamma", "a number in (0, 1] with return_style='discounted'")
+        else:
+            self._require(self.gamma is None, "gamma", "null unless return_style='discounted'")
+
+
+@dataclass(kw_only=True)
+class TrainConfig(_Config):
+    """The optimizer and the length of the run."""
+
+    steps: int = 30
+    """Optimizer steps of RL."""
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Maximum global gradient norm."""
+    token_budget: int = 16384
+    """Tokens per packed micro-batch; a longer sequence is an error."""
+    warm_start_steps: int = 0
+    """Supervised steps on scripted demonstrations before RL; 0 skips the warm start."""
+    seed: int = 0
+    """Seed of the model init, the samplers and the pack seeds."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(0, "steps", "weight_decay", "warm_start_steps", "seed")
+        self._above(0, "lr", "grad_clip")
+        self._at_least(1, "token_budget")
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig(_Config):
+    """Where the run executes and what it writes."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """`auto` is cuda when available."""
+    kernel_impl: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"
+    """Kernel implementation; `auto` lets cod_fast.ops.dispatch pick per device."""
+    run_dir: str = "runs/latest"
+    """Folder for the resolved config, logs and checkpoints."""
+    checkpoint_every: int = 10
+    """Steps between checkpoints; 0 saves only at the end."""
+    log_every: int = 1
+    """Steps between log lines."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files."""
+    hsdp_replicate: int = 1
+    """Replica groups of hybrid-sharded data parallelism (1 = plain FSDP)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._at_least(0, "checkpoint_every")
+        self._at_least(1, "log_every", "hsdp_replicate")
+
+
+@dataclass(kw_only=True)
+class Config(_Config):
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.algo.algorithm == "task_by_task" and self.rollout.strategy != "cod":
+            raise ConfigError(
+                "rollout.strategy",
+                f"got {self.rollout.strategy!r} with algo.algorithm='task_by_task'; expected "
+                "'cod' (Ralph strategies need update episodes, which task_by_task has not)",
+            )
+
+
+def _tiny_cpu() -> Config:
+    # Sized after shared/TINY-CPU-FACTS.md: 4-task packs, ~30-token responses, short hints.
+    return Config(
+        model=ModelConfig(dtype="float32"),
+        rollout=RolloutConfig(
+            packs_per_step=4,
+            group_size=8,
+            tasks_per_pack=4,
+            max_response_tokens=32,
+            max_hint_tokens=16,
+            sampler="torch",
+            eval_packs=32,
+        ),
+        algo=AlgoConfig(
+            red_weight=True,
+            loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=32),
+        ),
+        train=TrainConfig(steps=30, lr=3e-4, token_budget=4096, warm_start_steps=50),
+        runtime=RuntimeConfig(device="cpu", run_dir="runs/tiny-cpu", checkpoint_every=10),
+    )
+
+
+def _tiny_cpu_tbt() -> Config:
+    # The task-by-task ablation of tiny-cpu: GRPO per task, no update episodes, no re-weighting.
+    changes = ["algo.algorithm=task_by_task", "algo.red_weight=false", "algo.loss.policy=ppo"]
+    return apply_overrides(_tiny_cpu(), [*changes, "runtime.run_dir=runs/tiny-cpu-tbt"])
+
+
+def _qwen3_1_7b() -> Config:
+    return Config(
+        model=ModelConfig(
+            name_or_path="Qwen/Qwen3-1.7B", dtype="bfloat16", gradient_checkpointing=True
+        ),
+        rollout=RolloutConfig(
+            env_size="full",
+            packs_per_step=16,
+            group_size=8,
+            tasks_per_pack=8,
+            max_response_tokens=2048,
+            max_hint_tokens=256,
+            sampler="vllm",
+        ),
+        algo=AlgoConfig(
+            red_weight=True,
+            loss=LossConfig(
+                policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=2048
+            ),
+        ),
+        train=TrainConfig(steps=200, lr=1e-6, token_budget=32768),
+        runtime=RuntimeConfig(device="cuda", run_dir="runs/qwen3-1.7b", checkpoint_every=20),
+    )
+
+
+PRESETS: dict[str, Callable[[], Config]] = {
+    "tiny-cpu": _tiny_cpu,
+    "tiny-cpu-tbt": _tiny_cpu_tbt,
+    "qwen3-1.7b": _qwen3_1_7b,
+}
+DEFAULT_PRESET = "tiny-cpu"
+
+
+def to_dict(cfg: _Config) -> dict[str, Any]:
+    """The config as a plain nested dict (what YAML files hold)."""
+    return dataclasses.asdict(cfg)  # type: ignore[call-overload]
+
+
+def from_dict(cls: type[_Config], data: Mapping[str, Any], path: str = "") -> Any:
+    """Build and validate ``cls`` from a (partial) nested mapping; missing keys keep defaults.
+
+    ``path`` is the dotted position of ``data`` in the whole config, used in error messages.
+    """
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(key, f"unknown key; allowed keys: {', '.join(names)}")
+    hints = _type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if isinstance(hint, type) and issubclass(hint, _Config) and isinstance(value, Mapping):
+            value = from_dict(hint, value, f"{path}.{name}" if path else name)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(path) from None
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 insists on ``1.0e-5``)."""
+
+
+class _YamlDumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings such as ``'1e5'``, which `_YamlLoader` would read as floats."""
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$")
+_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
+_YamlDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ConfigError(where, f"malformed YAML: {problem}{at}") from None
+
+
+def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(merged.get(key), dict) and isinstance(value, Mapping):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _parent_section(data: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """The dict that holds the last of ``keys``, checking that every key on the way exists."""
+    node: Any = data
+    for depth, key in enumerate(keys):
+        here = ".".join(keys[: depth + 1])
+        if not isinstance(node, dict):
+            raise ConfigError(here, f"{'.'.join(keys[:depth])} holds a value, not a section")
+        if key not in node:
+            raise ConfigError(here, f"unknown key; allowed keys: {', '.join(node)}")
+        parent, node = node, node[key]
+    return parent
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
+    """Return a new, validated config with each ``a.b.c=value`` applied in order.
+
+    Values are YAML (``null``, ``3``, ``0.5``, ``true``, ``k3``, ``{eps_low: 0.1}``); a mapping
+    merges into the section it names.
+    """
+    data = to_dict(cfg)
+    for override in overrides:
+        dotted, sep, text = override.partition("=")
+        if not sep:
+            raise ConfigError(
+                override, "missing '='; expected the form a.b.c=value, e.g. algo.loss.kl=k3"
+            )
+        dotted = dotted.strip()
+        keys = dotted.split(".")
+        parent = _parent_section(data, keys)
+        value = _parse_yaml(text, dotted)
+        if isinstance(parent[keys[-1]], dict) and isinstance(value, Mapping):
+            value = _deep_merge(parent[keys[-1]], value)
+        parent[keys[-1]] = value
+    return from_dict(Config, data)
+
+
+def _read_yaml_file(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(path, f"cannot read config file: {e.strerror}") from None
+    data = _parse_yaml(text, path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(
+    preset: str | None = None, path: str | None = None, overrides: Sequence[str] = ()
+) -> Config:
+    """Resolve a run's config: a preset, then a YAML file merged over it, then overrides.
+
+    The file may name its preset with a top-level ``preset:`` key; the ``preset`` argument wins.
+    """
+    file_data = _read_yaml_file(path) if path is not None else {}
+    file_preset = file_data.pop("preset", None)
+    name = preset if preset is not None else file_preset or DEFAULT_PRESET
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ConfigError("preset", f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    cfg = PRESETS[name]()
+    if file_data:
+        try:
+            cfg = from_dict(Config, _deep_merge(to_dict(cfg), file_data))
+        except ConfigError as e:
+            raise ConfigError(e.key, f"{e.problem} (in {path})") from None
+    return apply_overrides(cfg, overrides)
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The config as YAML that ``load_config(path=...)`` reads back to an equal config."""
+    return yaml.dump(to_dict(cfg), Dumper=_YamlDumper, sort_keys=False)

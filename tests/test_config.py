@@ -1,0 +1,259 @@
+"""The config tree: presets, validation messages, overrides and YAML files (cod_fast/config.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cod_fast.config import (
+    DEFAULT_PRESET,
+    PRESETS,
+    AlgoConfig,
+    Config,
+    ConfigError,
+    LossConfig,
+    apply_overrides,
+    dump_yaml,
+    from_dict,
+    load_config,
+    to_dict,
+)
+
+
+def _error(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_round_trips_through_dict_and_yaml(name):
+    """Every preset builds, and to_dict -> from_dict and dump_yaml -> safe_load -> from_dict give it back."""
+    cfg = PRESETS[name]()
+    assert isinstance(cfg, Config)
+    assert from_dict(Config, to_dict(cfg)) == cfg
+    assert from_dict(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_default_preset_is_tiny_cpu_and_load_config_uses_it():
+    """load_config() with no arguments is the DEFAULT_PRESET, the CPU CoD run."""
+    assert DEFAULT_PRESET == "tiny-cpu"
+    cfg = load_config()
+    assert cfg == PRESETS["tiny-cpu"]()
+    assert (cfg.runtime.device, cfg.algo.algorithm, cfg.algo.loss.policy) == (
+        "cpu",
+        "cod",
+        "rec_one_side",
+    )
+
+
+def test_task_by_task_preset_differs_from_tiny_cpu_only_in_the_algorithm():
+    """tiny-cpu-tbt is tiny-cpu with task_by_task, plain ppo and no re-weighting."""
+    cod, tbt = PRESETS["tiny-cpu"](), PRESETS["tiny-cpu-tbt"]()
+    assert (tbt.algo.algorithm, tbt.algo.red_weight, tbt.algo.loss.policy) == (
+        "task_by_task",
+        False,
+        "ppo",
+    )
+    assert (tbt.model, tbt.rollout, tbt.train) == (cod.model, cod.rollout, cod.train)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "must_mention"),
+    [
+        # Literal membership, with the allowed values listed.
+        (["algo.loss.policy=grpo"], ["algo.loss.policy", "'grpo'", "'rec_one_side'", "'opd'"]),
+        (["algo.loss.kl=k4"], ["algo.loss.kl", "'k4'", "'k3'", "null"]),
+        (["rollout.env=chess"], ["rollout.env", "'frozenlake'", "'grid_nav'"]),
+        # Ranges.
+        (["algo.loss.eps_low=1.0"], ["algo.loss.eps_low", "1.0", "[0, 1)"]),
+        (["algo.loss.eps_high=-0.1"], ["algo.loss.eps_high", ">= 0"]),
+        (["algo.loss.temperature=0"], ["algo.loss.temperature", "> 0"]),
+        (["algo.loss.mis_high=0.4"], ["algo.loss.mis_high", "> 0.5"]),
+        (["algo.loss.max_response_len=0"], ["algo.loss.max_response_len", ">= 1"]),
+        (["rollout.group_size=1"], ["rollout.group_size", ">= 2"]),
+        (["rollout.top_p=0"], ["rollout.top_p", "(0, 1]"]),
+        (["rollout.vllm_gpu_memory_utilization=1"], ["vllm_gpu_memory_utilization", "(0, 1)"]),
+        (["model.num_heads=5"], ["model.hidden_size", "num_heads=5"]),
+        (["train.lr=0"], ["train.lr", "> 0"]),
+        # Types: bool is not an int or a float; a string is not a number.
+        (["train.steps=true"], ["train.steps", "True", "an integer"]),
+        (["train.lr=false"], ["train.lr", "False", "a number"]),
+        (["train.seed=abc"], ["train.seed", "'abc'", "an integer"]),
+        (["algo.std_norm=1"], ["algo.std_norm", "true or false"]),
+        (["algo=3"], ["algo", "AlgoConfig"]),
+        # window / gamma are required by their return style, and only by it.
+        (["algo.return_style=window"], ["algo.window", ">= 1"]),
+        (["algo.window=3"], ["algo.window", "return_style='window'"]),
+        (["algo.return_style=discounted"], ["algo.gamma", "(0, 1]"]),
+        (["algo.return_style=discounted", "algo.gamma=1.5"], ["algo.gamma", "1.5", "(0, 1]"]),
+        (["algo.gamma=0.9"], ["algo.gamma", "return_style='discounted'"]),
+        # beta > 0 needs a KL estimator.
+        (["algo.loss.beta=0.1"], ["algo.loss.kl", "beta=0.1", "set `kl`", "k3"]),
+        # Cross-field: Ralph strategies need update episodes.
+        (
+            ["algo.algorithm=task_by_task", "rollout.strategy=ralph_sample"],
+            ["rollout.strategy", "'ralph_sample'", "'cod'", "task_by_task"],
+        ),
+    ],
+)
+def test_bad_value_names_field_value_and_what_is_allowed(overrides, must_mention):
+    """A rejected value raises ConfigError naming the dotted field, the value and what is allowed."""
+    message = _error(overrides)
+    missing = [m for m in must_mention if m not in message]
+    assert not missing, f"{missing} not in {message!r}"
+    assert "\n" not in message
+
+
+def test_config_error_is_a_value_error_and_direct_construction_validates():
+    """Building a config class directly runs the same checks (without a dotted prefix)."""
+    with pytest.raises(ValueError, match=r"^eps_low: got -0\.1"):
+        LossConfig(eps_low=-0.1)
+    with pytest.raises(ConfigError, match=r"^loss: .*LossConfig"):
+        AlgoConfig(loss={"eps_low": 0.1})  # type: ignore[arg-type]
+
+
+def test_int_is_accepted_and_stored_as_float_for_float_fields():
+    """An int for a float field becomes a float; an int field keeps its int."""
+    loss = LossConfig(eps_high=1, beta=0)
+    assert loss.eps_high == 1.0 and type(loss.eps_high) is float and type(loss.beta) is float
+    assert type(LossConfig(max_response_len=7).max_response_len) is int
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_eps_low_accepted_exactly_in_its_range(eps_low):
+    """LossConfig accepts eps_low exactly when 0 <= eps_low < 1 (NaN and inf included)."""
+    try:
+        LossConfig(eps_low=eps_low)
+        accepted = True
+    except ConfigError:
+        accepted = False
+    assert accepted == (0 <= eps_low < 1)
+
+
+def test_window_and_discounted_styles_accept_their_parameter():
+    """return_style window / discounted are valid once window / gamma is set (gamma = 1 allowed)."""
+    assert load_config(overrides=["algo.return_style=window", "algo.window=2"]).algo.window == 2
+    cfg = load_config(overrides=["algo.return_style=discounted", "algo.gamma=1"])
+    assert cfg.algo.gamma == 1.0
+
+
+def test_from_dict_unknown_key_names_dotted_key_and_lists_allowed_keys():
+    """from_dict rejects an unknown key with its dotted path and the keys allowed at that level."""
+    with pytest.raises(ConfigError) as info:
+        from_dict(Config, {"algo": {"loss": {"epsilon": 0.1}}})
+    message = str(info.value)
+    assert message.startswith("algo.loss.epsilon: unknown key")
+    assert "eps_low" in message and "opd_coef" in message
+
+
+def test_from_dict_partial_mapping_keeps_defaults():
+    """A partial nested mapping fills only what it names; everything else keeps its default."""
+    cfg = from_dict(Config, {"algo": {"loss": {"eps_high": 0.3}}, "train": {"steps": 3}})
+    assert cfg.algo.loss.eps_high == 0.3 and cfg.train.steps == 3
+    assert dataclasses.replace(cfg.algo.loss, eps_high=0.2) == LossConfig()
+
+
+def test_overrides_parse_yaml_scalars_and_nested_sections():
+    """Override values are YAML: null, ints, floats (also 1e-5), bools, strings and mappings."""
+    base = load_config()
+    cfg = apply_overrides(
+        base,
+        [
+            "algo.loss.kl=k3",
+            "algo.loss.beta=0.05",
+            "train.steps=7",
+            "train.lr=1e-5",
+            "algo.std_norm=true",
+            "algo.loss={eps_low: 0.1, agg: seq-mean-token-sum-norm}",
+            "runtime.run_dir='123'",
+        ],
+    )
+    assert (cfg.algo.loss.kl, cfg.algo.loss.beta) == ("k3", 0.05)
+    assert cfg.train.steps == 7 and type(cfg.train.steps) is int
+    assert cfg.train.lr == 1e-5 and type(cfg.train.lr) is float
+    assert cfg.algo.std_norm is True
+    assert (cfg.algo.loss.eps_low, cfg.algo.loss.agg) == (0.1, "seq-mean-token-sum-norm")
+    assert cfg.algo.loss.eps_high == base.algo.loss.eps_high  # a mapping merges, not replaces
+    assert cfg.runtime.run_dir == "123"
+    assert apply_overrides(cfg, ["algo.loss.beta=0", "algo.loss.kl=null"]).algo.loss.kl is None
+    assert base == load_config(), "apply_overrides must not mutate its input"
+
+
+@pytest.mark.parametrize(
+    ("override", "must_mention"),
+    [
+        ("algo.loss.epsilon=0.1", ["algo.loss.epsilon", "unknown key", "eps_low", "opd_coef"]),
+        ("trian.steps=1", ["trian", "unknown key", "train", "runtime"]),
+        ("train.lr.x=1", ["train.lr.x", "train.lr", "not a section"]),
+        ("algo.loss.kl", ["algo.loss.kl", "missing '='", "a.b.c=value"]),
+        ("algo.loss.kl=[k3", ["algo.loss.kl", "malformed YAML"]),
+    ],
+)
+def test_bad_override_names_the_path_and_the_expected_form(override, must_mention):
+    """An unknown path, a missing '=' or an unparsable value is a ConfigError saying which and why."""
+    message = _error([override])
+    missing = [m for m in must_mention if m not in message]
+    assert not missing, f"{missing} not in {message!r}"
+
+
+def test_yaml_file_is_deep_merged_over_the_preset_and_overrides_win(tmp_path):
+    """A YAML file changes only the fields it names; --set overrides are applied after it."""
+    path = tmp_path / "run.yaml"
+    path.write_text("algo:\n  loss:\n    eps_high: 0.3\ntrain:\n  steps: 5\n  lr: 1e-4\n")
+    cfg = load_config(path=str(path), overrides=["train.steps=6"])
+    expected = PRESETS[DEFAULT_PRESET]()
+    expected.algo.loss.eps_high, expected.train.steps, expected.train.lr = 0.3, 6, 1e-4
+    assert cfg == expected
+
+
+def test_yaml_file_preset_key_is_used_unless_the_argument_names_one(tmp_path):
+    """A top-level `preset:` in the file picks the preset; an explicit preset argument wins."""
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny-cpu-tbt\ntrain:\n  steps: 4\n")
+    from_file = load_config(path=str(path))
+    assert from_file.algo.algorithm == "task_by_task" and from_file.train.steps == 4
+    from_argument = load_config(preset="qwen3-1.7b", path=str(path))
+    assert from_argument.model.name_or_path == "Qwen/Qwen3-1.7B"
+    assert from_argument.train.steps == 4
+
+
+def test_dumped_yaml_loads_back_as_a_config_file(tmp_path):
+    """dump_yaml writes a file that load_config reads back to the same config, odd strings included."""
+    cfg = load_config(preset="qwen3-1.7b", overrides=["runtime.run_dir='1e5'", "train.lr=3e-7"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load_config(path=str(path)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("text", "must_mention"),
+    [
+        ("algo: [1, 2\n", ["malformed YAML", "line"]),
+        ("- 1\n- 2\n", ["mapping", "list"]),
+        ("algo:\n  lossy: {}\n", ["algo.lossy", "unknown key", "loss"]),
+        ("algo:\n  loss:\n    eps_low: 2\n", ["algo.loss.eps_low", "[0, 1)"]),
+    ],
+)
+def test_bad_yaml_file_error_names_the_file_and_the_problem(tmp_path, text, must_mention):
+    """Malformed YAML, a non-mapping or a bad field in a file is a ConfigError naming the file."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path=str(path))
+    message = str(info.value)
+    missing = [m for m in [str(path), *must_mention] if m not in message]
+    assert not missing, f"{missing} not in {message!r}"
+
+
+def test_missing_file_and_unknown_preset_are_config_errors(tmp_path):
+    """A missing file names the file; an unknown preset lists the presets there are."""
+    with pytest.raises(ConfigError, match=r"nope\.yaml"):
+        load_config(path=str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError) as info:
+        load_config(preset="huge-gpu")
+    assert all(name in str(info.value) for name in ["'huge-gpu'", *PRESETS])
