@@ -27,6 +27,8 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+bench_app = typer.Typer(help="Benchmark the kernels (cod_fast.bench).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 
 OPTIONAL_EXTRAS = ("vllm", "flash_attn", "liger_kernel", "triton")
 
@@ -122,3 +124,27 @@ def train(
     cfg = _resolve_config(preset, config_file, overrides)
     typer.echo(dump_yaml(cfg), nl=False)
     typer.echo("The training loop arrives with a later issue (issue 5: the trainer); nothing ran.")
+
+
+@bench_app.command("kernels")
+def bench_kernels(
+    cases: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated cases (dense, cod-packed, wide-vocab, h100); default all."
+        ),
+    ] = None,
+    impls: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated contenders (eager, torch, cpp, triton, liger, ...)."),
+    ] = None,
+    reps: Annotated[int | None, typer.Option(help="Timed repetitions (median, p20, p80).")] = None,
+    warmup: Annotated[int | None, typer.Option(help="Untimed calls before timing.")] = None,
+    scale: Annotated[float | None, typer.Option(help="Multiplies every case's N.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for kernels.csv/.json.")] = None,
+) -> None:
+    """Time the policy loss (fwd+bwd) against eager torch, Liger and CCE (cod_fast.bench.kernels)."""
+    from cod_fast.bench import kernels
+
+    options = dict(cases=cases, impls=impls, reps=reps, warmup=warmup, scale=scale, out=out)
+    kernels.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])

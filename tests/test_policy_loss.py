@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -10,9 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cod_fast import LossConfig
-from cod_fast.ops import aggregation_denominator, linear_logprobs, linear_policy_loss
-from cod_fast.ops.logprobs import linear_logprobs_torch
-from tests.reference import assert_within_budget, eager_logprobs, eager_policy_loss
+from cod_fast.ops import (
+    aggregation_denominator,
+    chunked,
+    linear_logprobs,
+    linear_policy_loss,
+    torch_rows,
+)
+from cod_fast.ops.chunked import fused_linear_policy_loss
+from cod_fast.ops.dispatch import is_available
+from cod_fast.ops.eager import eager_logprobs, eager_policy_loss
+from tests.reference import assert_within_budget
 
 
 def make_case(n=37, hidden=123, vocab=507, segments=5, seed=0, dtype=torch.float32):
@@ -70,8 +79,23 @@ CONFIGS = [
 ]
 
 
-def run_both(case, cfg, bypass, dtype=torch.float32, **kw):
-    """(fast loss, logp, grads) with the torch impl, and the float64 / same-dtype eager ones."""
+def loss_fn(impl):
+    """The public loss with `impl`, or for "fused-torch" the fused chunked driver run with the
+    torch row kernels (the closed-form head that the C++ and Triton kernels implement)."""
+    if impl == "fused-torch":
+        return functools.partial(fused_linear_policy_loss, torch_rows)
+    return functools.partial(linear_policy_loss, impl=impl)
+
+
+def impls_under_test():
+    """torch, the fused driver on torch rows, and every compiled implementation present here
+    (Triton under its interpreter on a machine without CUDA)."""
+    impls = ["torch", "fused-torch"]
+    return impls + [name for name in ("cpp", "triton") if is_available(name)]
+
+
+def run_both(case, cfg, bypass, dtype=torch.float32, impl="torch", **kw):
+    """(fast loss, logp, grads) with `impl`, and the float64 / same-dtype eager ones."""
     logps = dict(
         old=None if bypass else case["old"], roll=case["roll"], ref=case["ref"], teach=case["teach"]
     )
@@ -80,7 +104,7 @@ def run_both(case, cfg, bypass, dtype=torch.float32, **kw):
         h = case["hidden"].to(dt, copy=True).requires_grad_()
         w = case["weight"].to(dt, copy=True).requires_grad_()
         if name == "fast":
-            out = linear_policy_loss(
+            out = loss_fn(impl)(
                 h,
                 w,
                 case["targets"],
@@ -91,12 +115,11 @@ def run_both(case, cfg, bypass, dtype=torch.float32, **kw):
                 ref_logp=logps["ref"],
                 teacher_logp=logps["teach"],
                 config=cfg,
-                impl="torch",
                 **kw,
             )
             loss, logp = out.loss, out.logp
         else:
-            loss, logp = eager_policy_loss(
+            loss, logp, magnitude = eager_policy_loss(
                 h,
                 w,
                 case["targets"],
@@ -104,31 +127,49 @@ def run_both(case, cfg, bypass, dtype=torch.float32, **kw):
                 case["segment_ids"],
                 cfg,
                 dtype=dt,
+                with_magnitude=True,
                 **logps,
                 **kw,
             )
+            results["magnitude"] = magnitude
         loss.backward()
         results[name] = (loss, logp, h.grad, w.grad)
     return results
 
 
 def check_all(results, slack=1e-5):
+    """Each output within budget; the loss's slack is relative to the sum of |per-token terms|
+    (its float32 rounding scale when terms cancel), not to the loss itself."""
     for i, what in enumerate(("loss", "logp", "grad_hidden", "grad_weight")):
+        scale = results["magnitude"] if what == "loss" else None
         assert_within_budget(
-            what, results["fast"][i], results["eager"][i], results["truth"][i], slack=slack
+            what,
+            results["fast"][i],
+            results["eager"][i],
+            results["truth"][i],
+            slack=slack,
+            scale=scale,
         )
 
 
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 5 rows at V=507, so the chunk loop of every implementation is exercised."""
+    monkeypatch.setitem(chunked.CHUNK_BYTES, "cpu", 507 * 4 * 5)
+
+
+@pytest.mark.parametrize("impl", impls_under_test())
 @pytest.mark.parametrize("bypass", [False, True], ids=["old", "bypass"])
 @pytest.mark.parametrize(
     "cfg",
     CONFIGS,
     ids=lambda c: f"{c.policy}-{c.ratio_level}-{c.agg}-{c.kl}-{c.rollout_correction}",
 )
-def test_policy_loss_matches_float64(cfg, bypass):
+def test_policy_loss_matches_float64(cfg, bypass, impl, small_chunks):
     """Loss, logp and both gradients of every option stay within the float32 eager error budget
-    of the float64 materialised-logits reference (V=507, H=123, 5 segments)."""
-    results = run_both(make_case(seed=hash((cfg.policy, cfg.agg, bypass)) % 1000), cfg, bypass)
+    of the float64 materialised-logits reference (V=507, H=123, 5 segments), for every impl."""
+    case = make_case(seed=2 * CONFIGS.index(cfg) + bypass)
+    results = run_both(case, cfg, bypass, impl=impl)
     assert results["fast"][0].dtype == torch.float32
     check_all(results)
 
@@ -166,12 +207,14 @@ def test_policy_loss_random_options(
         mis_high=1.4,
     )
     case = make_case(n=n, hidden=19, vocab=61, segments=min(segments, n), seed=seed)
-    check_all(run_both(case, cfg, bypass=False))
+    for impl in impls_under_test():
+        check_all(run_both(case, cfg, bypass=False, impl=impl))
 
 
-def test_micro_batches_with_global_denominator_sum_to_one_call():
+@pytest.mark.parametrize("impl", impls_under_test())
+def test_micro_batches_with_global_denominator_sum_to_one_call(impl):
     """Splitting a step into micro-batches of whole segments and passing the step's denominator
-    gives the same summed loss and gradients as one call, for every aggregation."""
+    gives the same summed loss and gradients as one call, for every aggregation and impl."""
     case = make_case(n=41, segments=7, seed=3)
     seg = case["segment_ids"]
     for agg in (
@@ -184,7 +227,7 @@ def test_micro_batches_with_global_denominator_sum_to_one_call():
 
         def call(rows, denominator, h, w, cfg=cfg):
             a = {k: case[k][rows] for k in ("targets", "advantages", "segment_ids", "old", "ref")}
-            return linear_policy_loss(
+            return loss_fn(impl)(
                 h[rows],
                 w,
                 a["targets"],
@@ -274,12 +317,13 @@ def test_linear_logprobs_matches_float64(n, hidden, vocab, temperature, chunk):
         h = case["hidden"].to(dt, copy=True).requires_grad_()
         w = case["weight"].to(dt, copy=True).requires_grad_()
         if name == "fast":
-            logp, ent = linear_logprobs_torch(
+            logp, ent = linear_logprobs(
                 h,
                 w,
                 case["targets"],
                 temperature=temperature,
                 return_entropy=True,
+                impl="torch",
                 chunk_size=chunk,
             )
         else:
@@ -288,6 +332,22 @@ def test_linear_logprobs_matches_float64(n, hidden, vocab, temperature, chunk):
         outs[name] = (logp, ent, h.grad, w.grad)
     for i, what in enumerate(("logp", "entropy", "grad_hidden", "grad_weight")):
         assert_within_budget(what, outs["fast"][i], outs["eager"][i], outs["truth"][i])
+
+
+@pytest.mark.skipif(not is_available("triton"), reason="triton not available")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_no_grad_logprobs_use_fused_lse(dtype):
+    """Without gradients, impl='triton' takes the fused GEMM + online-LSE kernel; its log-probs
+    and entropy stay within the eager budget of float64 in the operands' dtype."""
+    case = make_case(n=21, hidden=40, vocab=97, dtype=dtype, seed=5)
+    args = (case["hidden"], case["weight"], case["targets"])
+    with torch.no_grad():
+        logp, ent = linear_logprobs(*args, temperature=0.7, return_entropy=True, impl="triton")
+    truth = eager_logprobs(*args, temperature=0.7, dtype=torch.float64)
+    eager = eager_logprobs(*args, temperature=0.7, dtype=dtype)
+    assert logp.dtype == torch.float32
+    assert_within_budget("logp", logp, eager[0], truth[0])
+    assert_within_budget("entropy", ent, eager[1], truth[1])
 
 
 def test_linear_logprobs_bf16_operands_give_float32():
@@ -366,3 +426,14 @@ def test_loss_config_is_frozen_in_results():
         config=cfg,
     )
     assert dataclasses.asdict(cfg) == before
+
+
+@pytest.mark.skipif(not is_available("triton"), reason="triton not available")
+def test_switch_codes_agree_across_implementations():
+    """The integer codes of the policy and KL switches are the same in the torch head and the
+    Triton kernels (the C++ wrapper imports the torch head's tables)."""
+    from cod_fast.kernels import rows
+    from cod_fast.ops import loss_head
+
+    assert rows.POLICY_CODES == loss_head.POLICY_CODES
+    assert rows.KL_CODES == loss_head.KL_CODES

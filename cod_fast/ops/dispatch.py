@@ -4,34 +4,84 @@ Every kernel family (`linear_logprobs`, `linear_policy_loss`) has one public fun
 ``impl=`` switch. ``impl=None`` asks this module: the ``COD_FAST_IMPL`` environment variable wins,
 then the best implementation available for the device (triton on CUDA, cpp on CPU when the
 extension is built, torch everywhere). The pure-torch implementation is always available.
+Implementations differ in their row kernels (see cod_fast.ops.torch_rows for the contract).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import os
+import warnings
+from types import ModuleType
 
 import torch
 
 IMPLS = ("triton", "cuda", "cpp", "torch")
 ENV_VAR = "COD_FAST_IMPL"
+_ROW_MODULES = {
+    "torch": "cod_fast.ops.torch_rows",
+    "cpp": "cod_fast.ops.cpp_rows",
+    "triton": "cod_fast.kernels.rows",
+}
+
+
+def _triton_status() -> str:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if torch.cuda.is_available():
+        return "available: Triton kernels on CUDA"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "available: Triton interpreter on the CPU (TRITON_INTERPRET=1; slow, for tests)"
+    return "no CUDA device (set TRITON_INTERPRET=1 to interpret the kernels on the CPU)"
+
+
+def _cpp_status() -> str:
+    from cod_fast.ops import cpp_rows
+
+    if cpp_rows.HAS_CPP:
+        return "available: C++ row kernels (OpenMP) with BLAS GEMMs"
+    return f"C++ extension not built ({cpp_rows.CPP_ERROR}); reinstall with a C++17 compiler"
+
+
+def _cuda_status() -> str:
+    return (
+        "not wired yet: the CUDA loss-head sources compile (tests); the runtime path "
+        "arrives with a GPU session"
+    )
+
+
+_STATUS = {
+    "triton": _triton_status,
+    "cuda": _cuda_status,
+    "cpp": _cpp_status,
+    "torch": lambda: "available: pure-torch reference, runs on every device",
+}
 
 
 def available_impls() -> dict[str, str]:
     """Map every known implementation name to why it is or is not usable here."""
-    return {
-        "triton": "not built yet (kernels issue)",
-        "cuda": "not built yet (kernels issue)",
-        "cpp": "not built yet (kernels issue)",
-        "torch": "available: pure-torch reference, runs on every device",
-    }
+    return {name: status() for name, status in _STATUS.items()}
 
 
 def is_available(impl: str) -> bool:
-    return available_impls()[impl].startswith("available")
+    return _STATUS[impl]().startswith("available")
 
 
-def resolve_impl(impl: str | None, device: torch.device | str) -> tuple[str, str]:
-    """Return (implementation name, reason it was chosen) for tensors on ``device``."""
+@functools.cache
+def _warn_cpp_missing() -> None:
+    warnings.warn(
+        f"cod-fast: {available_impls()['cpp']}; using the slower torch kernels",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def resolve_impl(
+    impl: str | None, device: torch.device | str, dtype: torch.dtype = torch.float32
+) -> tuple[str, str]:
+    """Return (implementation name, reason it was chosen) for `dtype` operands on ``device``."""
     device = torch.device(device)
     if impl is None and os.environ.get(ENV_VAR):
         impl, why = os.environ[ENV_VAR], f"set by {ENV_VAR}"
@@ -39,13 +89,27 @@ def resolve_impl(impl: str | None, device: torch.device | str) -> tuple[str, str
         why = "asked for by the caller"
     else:
         preferred = ("triton", "torch") if device.type == "cuda" else ("cpp", "torch")
+        if dtype == torch.float64:
+            preferred = ("torch",)  # the float64 ground-truth mode is the torch path's alone
         impl = next(name for name in preferred if is_available(name))
-        why = f"best available on {device.type}"
+        why = f"best available on {device.type} for {dtype}"
+        if device.type == "cpu" and impl == "torch" and dtype != torch.float64:
+            _warn_cpp_missing()
     if impl not in IMPLS:
         raise ValueError(f"unknown kernel implementation {impl!r} ({why}); choose one of {IMPLS}")
     if not is_available(impl):
         raise RuntimeError(
             f"kernel implementation {impl!r} ({why}) is not usable here: "
-            f"{available_impls()[impl]}; pick 'torch' or unset {ENV_VAR}"
+            f"{_STATUS[impl]()}; pick 'torch' or unset {ENV_VAR}"
         )
     return impl, why
+
+
+def row_kernels(impl: str, dtype: torch.dtype) -> ModuleType:
+    """The row-kernel module of an implementation, for logits of `dtype`."""
+    if impl != "torch" and dtype != torch.float32:
+        raise TypeError(
+            f"impl {impl!r} computes in float32 (float32, bfloat16 or float16 "
+            f"operands); got {dtype} operands, which only impl='torch' takes"
+        )
+    return importlib.import_module(_ROW_MODULES[impl])

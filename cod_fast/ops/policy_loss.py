@@ -1,10 +1,10 @@
 """The segment-masked GRPO-family policy loss over packed trainable tokens (SPEC.md section 4).
 
-`policy_loss_from_logp` is the loss head written once in plain torch on per-token tensors: the
-ratio (token or sequence level), the policy term (ppo, rec_one_side, rec_one_side_is, opd),
-rollout correction (tis, mis), KL to the reference, the entropy bonus and the aggregation.
-`linear_policy_loss` is the public entry of this kernel family: the torch implementation feeds the
-head with the chunked log-probs of `cod_fast.ops.logprobs`; fused kernels replace both stages.
+`policy_loss_from_logp` is the loss written in plain torch on per-token log-probs and
+differentiated by autograd: the ratio (token or sequence level), the policy term (ppo,
+rec_one_side, rec_one_side_is, opd), rollout correction (tis, mis), KL to the reference, the
+entropy bonus and the aggregation. It is the `torch` implementation's head; the fused
+implementations use the closed form of cod_fast.ops.loss_head instead.
 
 Aggregation is always `sum_t w_t L_t / D`: w_t = 1 / (tokens of t's segment) for
 seq-mean-token-mean, else 1; D is the step's token count (token-mean), segment count (seq-mean-*)
@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from cod_fast.config import LossConfig
-from cod_fast.ops.dispatch import resolve_impl
-from cod_fast.ops.logprobs import linear_logprobs_torch
 
 
 @dataclass
@@ -50,7 +48,7 @@ def segment_mean(values: torch.Tensor, seg: torch.Tensor, counts: torch.Tensor) 
     return (sums.index_add(0, seg, values) / counts.to(values.dtype))[seg]
 
 
-def _require(tensor: torch.Tensor | None, name: str, why: str) -> torch.Tensor:
+def require(tensor: torch.Tensor | None, name: str, why: str) -> torch.Tensor:
     if tensor is None:
         raise ValueError(f"{why} needs `{name}`; pass it, or change the LossConfig option")
     return tensor
@@ -70,6 +68,86 @@ def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor
     return torch.expm1(-diff) + diff
 
 
+@dataclass
+class TokenWeights:
+    """The parts of the loss that do not depend on the current log-probs, per token [N]."""
+
+    seg: torch.Tensor
+    """Compact segment index 0..S-1."""
+    counts: torch.Tensor
+    """[S] tokens per segment."""
+    weight: torch.Tensor
+    """Aggregation weight w_t / D."""
+    corr: torch.Tensor
+    """Rollout-correction weight (detached): TIS min(exp(old - roll), C), MIS 0/1, else 1."""
+    old: torch.Tensor | None
+    """What the ratio is taken against: old, else the sampler's (bypass), else None (on-policy)."""
+
+
+def token_weights(
+    advantages: torch.Tensor,
+    segment_ids: torch.Tensor,
+    *,
+    config: LossConfig,
+    old_logp: torch.Tensor | None,
+    rollout_logp: torch.Tensor | None,
+    denominator: float | None,
+    dtype: torch.dtype,
+) -> TokenWeights:
+    """Segments, aggregation weights and rollout correction (a no-op in bypass, old = roll)."""
+    _, seg, counts = torch.unique(segment_ids, return_inverse=True, return_counts=True)
+    n = advantages.shape[0]
+    if denominator is None:
+        denominator = aggregation_denominator(config, n, counts.shape[0])
+    weight = torch.full((n,), 1.0 / denominator, dtype=dtype, device=advantages.device)
+    if config.agg == "seq-mean-token-mean":
+        weight = weight / counts[seg].to(dtype)
+    old = None if old_logp is None else old_logp.detach().to(dtype)
+    roll = None if rollout_logp is None else rollout_logp.detach().to(dtype)
+    corr = torch.ones_like(weight)
+    if config.rollout_correction != "none" and old is not None:
+        roll = require(roll, "rollout_logp", f"rollout_correction {config.rollout_correction!r}")
+        behaviour = old - roll
+        if config.rollout_correction == "tis":
+            corr = behaviour.exp().clamp(max=config.tis_cap)
+        else:
+            if config.rollout_correction == "mis_sequence":
+                behaviour = segment_mean(behaviour, seg, counts)
+            r = behaviour.exp()
+            corr = ((r >= config.mis_low) & (r <= config.mis_high)).to(dtype)
+    return TokenWeights(
+        seg=seg, counts=counts, weight=weight, corr=corr, old=old if old is not None else roll
+    )
+
+
+def loss_metrics(
+    config: LossConfig,
+    ratio: torch.Tensor,
+    clipped: torch.Tensor,
+    corr: torch.Tensor,
+    logp: torch.Tensor,
+    ref: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> dict[str, torch.Tensor]:
+    """Detached float32 scalars: clip fraction, ratio stats, KL, entropy, correction stats."""
+    r = ratio.detach()
+    metrics = {
+        "clip_frac": _mean(clipped),
+        "ratio_mean": _mean(r),
+        "ratio_min": r.min().float() if r.numel() else _mean(r),
+        "ratio_max": r.max().float() if r.numel() else _mean(r),
+    }
+    if config.rollout_correction == "tis":
+        metrics["tis_weight_mean"] = _mean(corr)
+    elif config.rollout_correction != "none":
+        metrics["mis_drop_frac"] = _mean(corr == 0)
+    if ref is not None:
+        metrics["kl"] = _mean(kl_penalty(logp.detach(), ref, config.kl or "k3"))
+    if entropy is not None:
+        metrics["entropy"] = _mean(entropy.detach())
+    return metrics
+
+
 def policy_loss_from_logp(
     logp: torch.Tensor,
     advantages: torch.Tensor,
@@ -83,146 +161,46 @@ def policy_loss_from_logp(
     teacher_logp: torch.Tensor | None = None,
     denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and metrics from per-token log-probs [N] (see the module docstring)."""
+    """Loss and metrics from per-token log-probs [N], differentiated by autograd."""
     dtype = logp.dtype
-
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dtype)
-
-    adv, old, roll, ref, teach = map(
-        cast, (advantages, old_logp, rollout_logp, ref_logp, teacher_logp)
+    tw = token_weights(
+        advantages,
+        segment_ids,
+        config=config,
+        old_logp=old_logp,
+        rollout_logp=rollout_logp,
+        denominator=denominator,
+        dtype=dtype,
     )
-    _, seg, counts = torch.unique(segment_ids, return_inverse=True, return_counts=True)
-    bypass = old is None
-    old = old if old is not None else (roll if roll is not None else logp.detach())
-
-    log_ratio = logp - old
+    adv = advantages.to(dtype)
+    ref = None if ref_logp is None else ref_logp.to(dtype)
+    log_ratio = logp - (tw.old if tw.old is not None else logp.detach())
     if config.ratio_level == "sequence":  # GSPO: geometric mean of the segment's token ratios
-        log_ratio = segment_mean(log_ratio, seg, counts)
+        log_ratio = segment_mean(log_ratio, tw.seg, tw.counts)
     ratio = log_ratio.exp()
-    metrics: dict[str, torch.Tensor] = {}
 
     if config.policy == "ppo":
         unclipped = -adv * ratio
-        clipped = -adv * ratio.clamp(1 - config.eps_low, 1 + config.eps_high)
-        policy = torch.maximum(unclipped, clipped)
-        metrics["clip_frac"] = _mean(clipped > unclipped)
+        clipped_term = -adv * ratio.clamp(1 - config.eps_low, 1 + config.eps_high)
+        policy = torch.maximum(unclipped, clipped_term)
+        clipped = clipped_term > unclipped
     elif config.policy in ("rec_one_side", "rec_one_side_is"):
         r = ratio.detach()
         keep = ((adv >= 0) & (r <= 1 + config.eps_high)) | ((adv < 0) & (r >= 1 - config.eps_low))
         base = logp if config.policy == "rec_one_side" else ratio
         policy = -adv * base * keep
-        metrics["clip_frac"] = _mean(~keep)
+        clipped = ~keep
     else:  # opd: the advantage is the teacher's log-prob margin, logp detached inside it
-        teach = _require(teach, "teacher_logp", "policy 'opd'")
-        adv = config.opd_coef * (teach - logp.detach())
-        policy = -adv * logp
+        teach = require(teacher_logp, "teacher_logp", "policy 'opd'").to(dtype)
+        policy = -config.opd_coef * (teach - logp.detach()) * logp
+        clipped = torch.zeros_like(logp, dtype=torch.bool)
 
-    if config.rollout_correction != "none" and not bypass:
-        roll = _require(roll, "rollout_logp", f"rollout_correction {config.rollout_correction!r}")
-        behaviour = (old - roll).detach()
-        if config.rollout_correction == "tis":
-            weight = behaviour.exp().clamp(max=config.tis_cap)
-            metrics["tis_weight_mean"] = _mean(weight)
-        else:
-            if config.rollout_correction == "mis_sequence":
-                behaviour = segment_mean(behaviour, seg, counts)
-            r = behaviour.exp()
-            weight = ((r >= config.mis_low) & (r <= config.mis_high)).to(dtype)
-            metrics["mis_drop_frac"] = _mean(weight == 0)
-        policy = policy * weight
-
-    per_token = policy
+    per_token = tw.corr * policy
     if config.kl is not None and config.beta > 0:
-        ref = _require(ref, "ref_logp", f"KL penalty (beta={config.beta})")
+        ref = require(ref, "ref_logp", f"KL penalty (beta={config.beta})")
         per_token = per_token + config.beta * kl_penalty(logp, ref, config.kl)
-    if ref is not None:
-        metrics["kl"] = _mean(kl_penalty(logp.detach(), ref, config.kl or "k3"))
     if config.entropy_coef > 0:
-        entropy = _require(entropy, "entropy", f"entropy_coef={config.entropy_coef}")
+        entropy = require(entropy, "entropy", f"entropy_coef={config.entropy_coef}")
         per_token = per_token - config.entropy_coef * entropy
-    if entropy is not None:
-        metrics["entropy"] = _mean(entropy.detach())
-
-    if config.agg == "seq-mean-token-mean":
-        per_token = per_token / counts[seg].to(dtype)
-    if denominator is None:
-        denominator = aggregation_denominator(config, logp.shape[0], counts.shape[0])
-    loss = per_token.sum() / denominator
-
-    r = ratio.detach()
-    metrics["ratio_mean"] = _mean(r)
-    metrics["ratio_min"] = r.min().float() if r.numel() else _mean(r)
-    metrics["ratio_max"] = r.max().float() if r.numel() else _mean(r)
-    return loss, metrics
-
-
-def _linear_policy_loss_torch(
-    hidden, weight, targets, advantages, segment_ids, *, config, denominator, **logps
-) -> PolicyLossOutput:
-    logp, entropy = linear_logprobs_torch(
-        hidden, weight, targets, temperature=config.temperature, return_entropy=True
-    )
-    loss, metrics = policy_loss_from_logp(
-        logp,
-        advantages,
-        segment_ids,
-        config=config,
-        entropy=entropy,
-        denominator=denominator,
-        **logps,
-    )
-    return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
-
-
-_IMPLS = {"torch": _linear_policy_loss_torch}
-
-
-def linear_policy_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    advantages: torch.Tensor,
-    segment_ids: torch.Tensor,
-    *,
-    old_logp: torch.Tensor | None = None,
-    rollout_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    teacher_logp: torch.Tensor | None = None,
-    config: LossConfig,
-    denominator: float | None = None,
-    impl: str | None = None,
-) -> PolicyLossOutput:
-    """The policy loss of SPEC.md section 4 straight from hidden states and the LM head.
-
-    hidden [N, H] holds the trainable positions only (already gathered), weight [V, H],
-    targets/advantages/segment_ids and the optional log-probs [N]. Returns `.loss` (float32
-    scalar, differentiable in hidden and weight), `.logp` [N] (detached) and `.metrics`.
-    `denominator` fixes the aggregation's D for a whole optimizer step (see
-    `aggregation_denominator`); None uses this call's own tokens and segments.
-    """
-    n = targets.shape[0]
-    for name, t in (
-        ("advantages", advantages),
-        ("segment_ids", segment_ids),
-        ("old_logp", old_logp),
-        ("rollout_logp", rollout_logp),
-        ("ref_logp", ref_logp),
-        ("teacher_logp", teacher_logp),
-    ):
-        if t is not None and tuple(t.shape) != (n,):
-            raise ValueError(f"{name} must have shape [{n}] (one per target), got {tuple(t.shape)}")
-    name, _ = resolve_impl(impl, hidden.device)
-    return _IMPLS[name](
-        hidden,
-        weight,
-        targets,
-        advantages,
-        segment_ids,
-        config=config,
-        denominator=denominator,
-        old_logp=old_logp,
-        rollout_logp=rollout_logp,
-        ref_logp=ref_logp,
-        teacher_logp=teacher_logp,
-    )
+    loss = (tw.weight * per_token).sum()
+    return loss, loss_metrics(config, ratio, clipped, tw.corr, logp, ref, entropy)

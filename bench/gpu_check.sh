@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# GPU check of cod-fast: the Triton/policy-loss tests and the kernel benchmark on an NVIDIA GPU.
+#
+#   bash bench/gpu_check.sh            # from the repository root
+#
+# For a machine with only torch and triton installed. Pure-Python wheels the package and the
+# tests need (pyyaml, rich, typer, pytest, hypothesis, ...) may wait in .whl/; they are installed
+# offline into /tmp/site. Nothing is built: the C++ extension stays absent (impl `cpp` reports
+# itself unavailable). Everything lands in one folder, $OUT or else gpu_check_results/: env.txt,
+# pytest.log, bench_<case>.log, kernels.csv, kernels_<case>.json, logs/ of failed benchmark
+# workers and gpu_check.log (this script's whole output). Every step runs under `timeout`, so the
+# whole check stays under 8 minutes; the last line is a one-line summary. GPU_CHECK_BENCH_ARGS
+# adds arguments to every benchmark call (e.g. "--scale 0.05 --impls eager,torch" for a dry run
+# on a CPU-only machine).
+set -uo pipefail
+
+REPO=$(pwd)
+OUT=${OUT:-$REPO/gpu_check_results}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+echo "== cod-fast gpu_check $(date -u +%FT%TZ) repo=$REPO out=$OUT"
+[ -f "$REPO/pyproject.toml" ] && [ -d "$REPO/cod_fast" ] || {
+    echo "gpu_check: run from the repository root"
+    exit 2
+}
+unset TRITON_INTERPRET  # the GPU runs the compiled kernels, not the interpreter
+DEADLINE=$((SECONDS + 460))  # every step's limit is cut to what is left of ~7.7 minutes
+limit() {                    # limit WANTED: WANTED seconds, or what is left if that is less
+    local left=$((DEADLINE - SECONDS))
+    echo $((left < $1 ? (left > 1 ? left : 1) : $1))
+}
+
+# 0. Offline wheels (pure Python only: --no-deps, no index).
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+    timeout "$(limit 60)" python -m pip install --quiet --no-index --no-deps --upgrade \
+        --target /tmp/site "$REPO"/.whl/*.whl >"$OUT/pip.log" 2>&1 ||
+        echo "pip install from .whl failed (see pip.log)"
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# 1. Make the package importable without building it. pyproject maps two top-level folders into
+# the package (kernels/ -> cod_fast.kernels, bench/ -> cod_fast.bench), which only an install
+# reproduces, and an install would build the C++ extension. Instead: a mirror of the repository
+# root in a temporary folder whose entries are symlinks to the real ones, except cod_fast/, a
+# real folder of symlinks to the entries of the repo's cod_fast/ plus kernels -> kernels/ and
+# bench -> bench/. Python imports through symlinks, and the mirror shadows nothing as long as it
+# comes first on sys.path; so every Python step runs with the mirror as its working directory
+# (first on sys.path for `python -m`, and pytest's rootdir), and PYTHONPATH carries it too for
+# the benchmark's worker subprocesses. Compiled leftovers (*.so) are not mirrored: nothing built
+# elsewhere gets loaded here.
+MIRROR=$(mktemp -d /tmp/cod_fast_mirror.XXXXXX)
+trap 'rm -rf "$MIRROR"' EXIT
+for entry in "$REPO"/*; do
+    [ "$(basename "$entry")" = cod_fast ] || ln -s "$entry" "$MIRROR/"
+done
+mkdir "$MIRROR/cod_fast"
+for entry in "$REPO"/cod_fast/*; do
+    case "$entry" in *.so) continue ;; esac
+    ln -s "$entry" "$MIRROR/cod_fast/"
+done
+ln -s "$REPO/kernels" "$MIRROR/cod_fast/kernels"
+ln -s "$REPO/bench" "$MIRROR/cod_fast/bench"
+export PYTHONPATH=$MIRROR${PYTHONPATH:+:$PYTHONPATH}
+# The benchmark's CSV rows carry the commit; the copy on the GPU machine may have no .git.
+COD_FAST_GIT_COMMIT=$(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)
+export COD_FAST_GIT_COMMIT
+cd "$MIRROR" || exit 2
+
+{
+    echo "commit: $COD_FAST_GIT_COMMIT"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+    timeout "$(limit 60)" python - <<'EOF'
+import platform
+
+import torch
+
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda)
+print("gpu:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NONE (CPU only)")
+import triton
+
+print("triton", triton.__version__)
+import cod_fast.bench.kernels
+import cod_fast.kernels
+from cod_fast.ops import dispatch
+
+print("cod_fast from", cod_fast.kernels.__file__.rsplit("/", 2)[0])
+for name, why in dispatch.available_impls().items():
+    print(f"impl {name}: {why}")
+EOF
+} >"$OUT/env.txt" 2>&1
+IMPORT_RC=$?
+cat "$OUT/env.txt"
+GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>/dev/null || echo "torch missing")
+
+# 2. Tests (only the files present; pytest comes from .whl/ when the machine lacks it).
+TESTS=()
+for t in tests/test_triton_kernels.py tests/test_policy_loss.py; do
+    [ -f "$t" ] && TESTS+=("$t")
+done
+if [ "$IMPORT_RC" -ne 0 ]; then
+    PYTEST="not run (imports failed, see env.txt)"
+elif ! python -c "import pytest" 2>/dev/null; then
+    PYTEST="not run (pytest not installed; put its wheels in .whl/)"
+elif [ "${#TESTS[@]}" -eq 0 ]; then
+    PYTEST="not run (no test files)"
+else
+    echo "== pytest ${TESTS[*]}"
+    lim=$(limit 130)
+    timeout --kill-after=5 "$lim" python -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
+        --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+    rc=${PIPESTATUS[0]}
+    last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$OUT/pytest.log" | tail -n 1)
+    [ "$rc" -eq 124 ] && last="timed out after $lim s; $last"
+    PYTEST="rc=$rc ${last//=/}"
+fi
+
+# 3. Benchmark, one invocation per case so that each case has its own time limit (the CSV gets
+# a row as each contender finishes, so a timeout loses only the unfinished one). h100 first: it
+# is the case only a GPU can run.
+BENCH=()
+CSV_START=$(wc -l <"$OUT/kernels.csv" 2>/dev/null || echo 0)  # rows before this check's
+if [ "$IMPORT_RC" -eq 0 ]; then
+    for spec in h100:120 dense:50 cod-packed:55 wide-vocab:50; do
+        case_name=${spec%%:*}
+        lim=$(limit "${spec##*:}")
+        echo "== benchmark $case_name (limit $lim s)"
+        rm -f "$OUT/kernels.json" "$OUT/kernels_$case_name.json"
+        timeout --kill-after=5 "$lim" python -m cod_fast.bench.kernels --cases "$case_name" \
+            --reps 3 --warmup 1 --timeout 100 --out "$OUT" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 |
+            tee "$OUT/bench_$case_name.log"
+        rc=${PIPESTATUS[0]}
+        [ -f "$OUT/kernels.json" ] && mv "$OUT/kernels.json" "$OUT/kernels_$case_name.json"
+        BENCH+=("$case_name:rc=$rc")
+    done
+fi
+
+# 4. One-line summary from the CSV rows of this check.
+SUMMARY=$(
+    python - "$OUT/kernels.csv" "$CSV_START" <<'EOF' 2>/dev/null
+import csv
+import sys
+
+try:
+    lines = open(sys.argv[1]).read().splitlines()
+except OSError:
+    lines = []
+start = max(int(sys.argv[2]), 1)  # skip the header and the rows of earlier checks
+rows = list(csv.DictReader(lines[:1] + lines[start:]))
+ok = [r for r in rows if r["note"] == "ok"]
+parts = [f"bench {len(ok)}/{len(rows)} rows ok"]
+for r in ok:
+    if r["contender"] == "triton":
+        x = r["speedup_vs_eager"] and f"{float(r['speedup_vs_eager']):.1f}x eager"
+        parts.append(f"{r['case']} triton {float(r['median_s']) * 1e3:.0f} ms ({x or '?'})")
+print("; ".join(parts))
+EOF
+)
+echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${SUMMARY:-no CSV} | out ${OUT}"

@@ -1,0 +1,233 @@
+"""The chunked driver: per chunk of tokens, GEMMs in torch and everything else in a row kernel.
+
+For a chunk of C trainable rows the driver computes the raw logits z = h_c W^T once, in float32
+(a [C, V] buffer, never [N, V]); a row-kernel backend (torch, C++ or Triton; see
+cod_fast.ops.torch_rows for the contract) turns it into log-probs and entropy and, for the loss,
+overwrites it in place with dL/dz; the driver then forms dh_c = dz W and dW += dz^T h_c while the
+chunk is fresh. Token-level losses therefore take one pass over the vocabulary per chunk for the
+forward and backward together (6 N H V flops: one GEMM forward, two backward); sequence-level
+ratios (GSPO, sequence MIS) add one log-prob pre-pass, since every token's gradient depends on
+its whole segment.
+
+The loss's gradients are formed during the forward call and scaled by the incoming gradient in
+backward (the loss is a scalar), as in Liger's fused linear losses.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from cod_fast.config import LossConfig
+from cod_fast.ops.loss_head import HeadInputs, kernel_switches, prepare_head
+from cod_fast.ops.policy_loss import PolicyLossOutput, loss_metrics
+
+# Bytes of float32 logits one chunk may hold. Larger chunks feed the GEMMs better on a GPU; on
+# the CPU 64 MiB is plenty for the BLAS to run at full rate.
+CHUNK_BYTES = {"cuda": 512 * 2**20, "cpu": 64 * 2**20}
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 when any operand is float64 (the tests' ground truth), else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def chunk_rows(num_tokens: int, vocab: int, device: torch.device, dtype: torch.dtype) -> int:
+    limit = CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"])
+    return max(1, min(num_tokens, limit // (vocab * torch.finfo(dtype).bits // 8)))
+
+
+class _Gemms:
+    """The three products of a chunk, with float32 (or float64) logits whatever the operands.
+
+    On the CPU low-precision operands are upcast once per call (the BLAS has no fast bf16 path
+    here); on CUDA bf16/fp16 operands stay native and the logits come out in float32.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+        self.dtype = compute_dtype(hidden, weight)
+        native = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+        self.operand = hidden.dtype if native else self.dtype
+        self.hidden = hidden.detach().to(self.operand)
+        self.weight = weight.detach().to(self.operand)
+
+    def logits(self, rows: slice) -> torch.Tensor:
+        h = self.hidden[rows]
+        if self.operand == self.dtype:
+            return h @ self.weight.T
+        return torch.mm(h, self.weight.T, out_dtype=self.dtype)
+
+    def backward(
+        self,
+        dz: torch.Tensor,
+        rows: slice,
+        grad_h: torch.Tensor | None,
+        grad_w: torch.Tensor | None,
+    ) -> None:
+        """grad_h[rows] = dz W and grad_w += dz^T h_c (grad_w accumulates in float32+)."""
+        dz = dz.to(self.operand)
+        if grad_h is not None:
+            grad_h[rows] = dz @ self.weight
+        if grad_w is not None:
+            h = self.hidden[rows]
+            if self.operand == grad_w.dtype:
+                grad_w.addmm_(dz.T, h)
+            else:
+                grad_w += torch.mm(dz.T, h, out_dtype=grad_w.dtype)
+
+
+def _grad_buffers(ctx_needs: tuple[bool, bool], hidden, weight, dtype):
+    grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if ctx_needs[0] else None
+    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx_needs[1] else None
+    return grad_h, grad_w
+
+
+def _cast_back(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.to(like.dtype)
+
+
+def logprobs_forward(
+    rows_impl: ModuleType, gemms: _Gemms, targets: torch.Tensor, inv_temp: float, chunk: int
+):
+    """(logp, entropy, lse) [N] of every row, chunk by chunk, nothing kept of the logits."""
+    n = targets.shape[0]
+    out = [torch.empty(n, dtype=gemms.dtype, device=targets.device) for _ in range(3)]
+    for start in range(0, n, chunk):
+        rows = slice(start, start + chunk)
+        for buf, value in zip(
+            out, rows_impl.rows_forward(gemms.logits(rows), targets[rows], inv_temp), strict=True
+        ):
+            buf[rows] = value
+    return tuple(out)
+
+
+class ChunkedLinearLogprobs(torch.autograd.Function):
+    """logp_t = log softmax(h_t W^T / T)[y_t] and H_t; backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, rows_impl, chunk):
+        gemms = _Gemms(hidden, weight)
+        logp, entropy, lse = logprobs_forward(rows_impl, gemms, targets, inv_temp, chunk)
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
+        ctx.inv_temp, ctx.rows_impl, ctx.chunk = inv_temp, rows_impl, chunk
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        gemms = _Gemms(hidden, weight)
+        grad_h, grad_w = _grad_buffers(ctx.needs_input_grad[:2], hidden, weight, gemms.dtype)
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        for start in range(0, targets.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            z = gemms.logits(rows)
+            ctx.rows_impl.rows_backward_(
+                z,
+                targets[rows],
+                lse[rows],
+                entropy[rows],
+                grad_logp[rows].to(z.dtype),
+                None if grad_entropy is None else grad_entropy[rows].to(z.dtype),
+                ctx.inv_temp,
+            )
+            gemms.backward(z, rows, grad_h, grad_w)
+        return _cast_back(grad_h, hidden), _cast_back(grad_w, weight), None, None, None, None
+
+
+class _FusedLinearPolicyLoss(torch.autograd.Function):
+    """Scalar loss; its gradients for hidden and weight are formed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        head: HeadInputs,
+        switches: dict,
+        inv_temp: float,
+        rows_impl: ModuleType,
+        chunk: int,
+        needs: tuple[bool, bool],
+    ):
+        gemms = _Gemms(hidden, weight)
+        grad_h, grad_w = _grad_buffers(needs, hidden, weight, gemms.dtype)
+        n = targets.shape[0]
+        outs = [torch.empty(n, dtype=gemms.dtype, device=targets.device) for _ in range(4)]
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            z = gemms.logits(rows)
+            values = rows_impl.rows_fused_(
+                z, targets[rows], inv_temp, **head.rows(rows).kernel_args(), **switches
+            )
+            for buf, value in zip(outs, values, strict=True):
+                buf[rows] = value
+            gemms.backward(z, rows, grad_h, grad_w)
+        ctx.grads = (_cast_back(grad_h, hidden), _cast_back(grad_w, weight))
+        logp, entropy, loss, clipped = outs
+        ctx.mark_non_differentiable(logp, entropy, clipped)
+        return loss.sum(), logp, entropy, clipped
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        # Scale the stored gradients in place and drop the context's reference, so autograd can
+        # take the buffers as .grad without copying them (dW alone is V x H float32).
+        grads, ctx.grads = ctx.grads, None
+        grad_h, grad_w = (None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def fused_linear_policy_loss(
+    rows_impl: ModuleType,
+    hidden,
+    weight,
+    targets,
+    advantages,
+    segment_ids,
+    *,
+    config: LossConfig,
+    old_logp=None,
+    rollout_logp=None,
+    ref_logp=None,
+    teacher_logp=None,
+    denominator=None,
+) -> PolicyLossOutput:
+    """`linear_policy_loss` through the chunked driver and the given row-kernel backend."""
+    gemms_dtype = compute_dtype(hidden, weight)
+    inv_temp = 1.0 / config.temperature
+    chunk = chunk_rows(targets.shape[0], weight.shape[0], hidden.device, gemms_dtype)
+    prepass = None
+    if config.ratio_level == "sequence":
+        prepass, _, _ = logprobs_forward(
+            rows_impl, _Gemms(hidden, weight), targets, inv_temp, chunk
+        )
+    head = prepare_head(
+        advantages,
+        segment_ids,
+        config=config,
+        old_logp=old_logp,
+        rollout_logp=rollout_logp,
+        ref_logp=ref_logp,
+        teacher_logp=teacher_logp,
+        denominator=denominator,
+        prepass_logp=prepass,
+        dtype=gemms_dtype,
+    )
+    switches = kernel_switches(config, on_policy=head.old is None)
+    grad_on = torch.is_grad_enabled()
+    needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    loss, logp, entropy, clipped = _FusedLinearPolicyLoss.apply(
+        hidden, weight, targets, head, switches, inv_temp, rows_impl, chunk, needs
+    )
+    if head.seq_ratio is not None:
+        ratio = head.seq_ratio
+    elif head.old is None:
+        ratio = torch.ones_like(logp)
+    else:
+        ratio = (logp - head.old).exp()
+    ref = None if ref_logp is None else ref_logp.to(logp.dtype)
+    metrics = loss_metrics(config, ratio, clipped, head.corr, logp, ref, entropy)
+    return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)

@@ -1,0 +1,1 @@
+"""Triton kernels of cod-fast, installed as `cod_fast.kernels` (the repository's kernels/ folder)."""
