@@ -1,0 +1,1 @@
+"""CoD environments (SPEC.md section 6)."""

@@ -1,0 +1,167 @@
+"""What every CoD environment provides (SPEC.md section 6), and scripted play over a pack.
+
+An environment turns (pack_seed, task_index) into a `Task`: a small text game whose hidden rule
+comes from pack_seed alone, so every task of a pack shares it and packs differ. A task states
+itself and its action format (`prompt`), shows a first observation (`reset`), takes text actions
+(`step`) and ends with a reward and feedback text. Malformed actions end the episode with the
+environment's stated reward and feedback that says what was expected. Environment code never runs
+model text as code.
+
+Each environment also ships two scripted agents: a solver that reads the hidden rule from the
+task (an upper bound, and a test of the environment), and an explorer that does not know the rule
+but writes what it learns into hints and reads them back on the next task. `play_pack` runs a
+scripted agent through a pack the way the rollout driver runs a model (hints replaced between
+tasks), so tests and `cod-fast envs solve` can see the CoD effect without a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+Setting = Literal["train", "eval"]
+Size = Literal["tiny", "full"]
+NO_HINTS = None
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 64-bit seed from any parts (Python's hash() of str changes per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def rng_for(*parts: object) -> random.Random:
+    return random.Random(derive_seed(*parts))
+
+
+@dataclass
+class StepOutcome:
+    """What one action led to."""
+
+    observation: str
+    """Text the agent sees next (or the final message when done)."""
+    done: bool
+    """The episode is over (goal reached, failure, step budget spent, or a malformed action)."""
+    valid: bool = True
+    """False when the action did not parse; the episode then ends."""
+
+
+class Task(ABC):
+    """One task of a pack. Subclasses keep their hidden state in attributes the solver may read."""
+
+    env_name: ClassVar[str]
+    max_steps: int
+    """Agent steps (model responses) allowed in this task."""
+
+    def __init__(self, pack_seed: int, task_index: int):
+        self.pack_seed = pack_seed
+        self.task_index = task_index
+
+    @abstractmethod
+    def prompt(self) -> str:
+        """The task statement and the exact action format (no hints: the driver adds those)."""
+
+    @abstractmethod
+    def reset(self) -> str:
+        """Start (or restart) the task; returns the first observation."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepOutcome:
+        """Apply one action (model text, untrusted)."""
+
+    @property
+    @abstractmethod
+    def reward(self) -> float:
+        """The task reward so far; final once the episode is done (in the env's bounded scale)."""
+
+    @abstractmethod
+    def feedback(self) -> str:
+        """Environment feedback after the episode, shown to the update-context episode."""
+
+    @property
+    def success(self) -> bool | None:
+        """Whether the task was solved, for environments with a notion of success."""
+        return None
+
+
+class Agent(ABC):
+    """A scripted player: sees what a model would see (text), returns text."""
+
+    def start(self, task: Task, hints: str | None) -> None:  # noqa: B027 - optional hook
+        """Called before a task with the current hints (None on the first task)."""
+
+    @abstractmethod
+    def act(self, observation: str) -> str:
+        """The next action for the last observation."""
+
+    def write_hints(self, task: Task, old_hints: str | None) -> str | None:
+        """The hints to carry to the next task (None: keep none). Default: keep the old ones."""
+        return old_hints
+
+
+class Environment(ABC):
+    """A family of tasks with a hidden rule per pack, in a train or a harder eval setting."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    reveals_reward: ClassVar[bool] = True
+    """Whether the update-context episode is shown the task reward (PDE discovery hides it)."""
+
+    def __init__(self, setting: Setting = "train", size: Size = "full"):
+        if setting not in ("train", "eval"):
+            raise ValueError(f"setting must be 'train' or 'eval', got {setting!r}")
+        if size not in ("tiny", "full"):
+            raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
+        self.setting = setting
+        self.size = size
+
+    @abstractmethod
+    def task(self, pack_seed: int, task_index: int) -> Task:
+        """Task `task_index` of pack `pack_seed` (deterministic; the hidden rule from pack_seed)."""
+
+    @abstractmethod
+    def solver(self) -> Agent:
+        """A scripted agent that reads the task's hidden rule (an upper bound)."""
+
+    @abstractmethod
+    def explorer(self) -> Agent:
+        """A scripted agent that does not know the rule and carries what it learns in hints."""
+
+
+@dataclass
+class PackResult:
+    """Per-position rewards of one scripted pass through a pack, with the hints after each task."""
+
+    rewards: list[float]
+    hints: list[str | None] = field(default_factory=list)
+    successes: list[bool | None] = field(default_factory=list)
+
+
+def play_task(task: Task, agent: Agent, hints: str | None) -> float:
+    """Run `agent` through one task until it is done or its step budget is spent."""
+    agent.start(task, hints)
+    observation = task.reset()
+    for _ in range(task.max_steps):
+        outcome = task.step(agent.act(observation))
+        observation = outcome.observation
+        if outcome.done:
+            break
+    return task.reward
+
+
+def play_pack(env: Environment, agent: Agent, pack_seed: int, num_tasks: int,
+              use_hints: bool = True) -> PackResult:
+    """Tasks 0..K-1 of a pack in order; between tasks the agent rewrites its hints (replacing the
+    old ones), unless `use_hints` is False, when every task starts from no hints."""
+    result = PackResult(rewards=[])
+    hints: str | None = NO_HINTS
+    for k in range(num_tasks):
+        task = env.task(pack_seed, k)
+        result.rewards.append(play_task(task, agent, hints if use_hints else NO_HINTS))
+        result.successes.append(task.success)
+        hints = agent.write_hints(task, hints)
+        result.hints.append(hints)
+    return result
