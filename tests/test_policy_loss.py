@@ -437,3 +437,34 @@ def test_switch_codes_agree_across_implementations():
 
     assert rows.POLICY_CODES == loss_head.POLICY_CODES
     assert rows.KL_CODES == loss_head.KL_CODES
+
+
+@pytest.mark.parametrize("impl", impls_under_test())
+def test_nan_input_rows_give_nan_not_numbers(impl, small_chunks):
+    """A NaN in one hidden row (documented behaviour): that row's log-prob is NaN, the other
+    rows are untouched, and the loss is NaN, so a NaN is never turned into a plausible number."""
+    case = make_case(n=12, segments=3, seed=11)
+    hidden = case["hidden"].clone()
+    hidden[4, 7] = float("nan")
+    out = loss_fn(impl)(
+        hidden,
+        case["weight"],
+        case["targets"],
+        case["advantages"],
+        case["segment_ids"],
+        rollout_logp=case["roll"],
+        config=LossConfig(),
+    )
+    clean = loss_fn(impl)(
+        case["hidden"],
+        case["weight"],
+        case["targets"],
+        case["advantages"],
+        case["segment_ids"],
+        rollout_logp=case["roll"],
+        config=LossConfig(),
+    )
+    assert torch.isnan(out.logp[4])
+    rest = torch.arange(12) != 4
+    torch.testing.assert_close(out.logp[rest], clean.logp[rest])
+    assert torch.isnan(out.loss)
