@@ -1,0 +1,196 @@
+"""The interleaved rollout driver (SPEC.md sections 1-2): P packs x G group members at once.
+
+Each (pack, member) run alternates a solve-task episode (one or more turns: a response, then the
+environment's observation) and an update-context episode (one response whose hint block replaces
+the hints), K solve and K-1 update episodes per pack; in `task_by_task` mode there are no update
+episodes and every task starts from `Hints: null`. Every driver step gathers the next prompt of
+every live run and makes ONE batched sampler call, then steps the environments. Token ids are
+kept exactly as sampled; later turns of an episode append to them (see cod_fast.rollout.chat).
+
+A failure stays with its own episode: a response cut at the length limit is recorded with its
+finish reason (and usually fails to parse, which the environment scores); an environment that
+raises ends that solve episode with reward `error_reward` and the error in `Episode.info`; the
+other runs go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from cod_fast.envs.base import Environment, Task
+from cod_fast.envs.packs import PackSpec
+from cod_fast.records import Episode, Rollout, Turn
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.hints import context_line, parse_hints
+from cod_fast.rollout.prompts import (
+    UPDATE_SYSTEM,
+    Trajectory,
+    solve_system_prompt,
+    update_user_prompt,
+)
+from cod_fast.rollout.sampler import Sample, Sampler
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    max_response_tokens: int = 512
+    max_hint_tokens: int = 256
+    min_hint_chars: int = 1
+    hint_penalty: float = 0.1
+    mode: Literal["cod", "task_by_task"] = "cod"
+    error_reward: float = 0.0
+    """Reward of a solve episode whose environment raised."""
+
+
+@dataclass
+class _Run:
+    """One group member's way through one pack."""
+
+    spec: PackSpec
+    member: int
+    position: int = 0
+    hints: str | None = None
+    phase: Literal["solve", "update", "done"] = "solve"
+    task: Task | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    observation: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    steps: list[tuple[str, str]] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)
+    error: str | None = None
+
+
+class RolloutDriver:
+    def __init__(
+        self, env: Environment, sampler: Sampler, chat: ChatFormat, settings: DriverSettings
+    ):
+        self.env, self.sampler, self.chat, self.settings = env, sampler, chat, settings
+
+    def run(self, packs: list[PackSpec], group_size: int) -> list[Rollout]:
+        """Roll out every pack `group_size` times; one Rollout per (pack, member)."""
+        runs = [_Run(spec=spec, member=g) for spec in packs for g in range(group_size)]
+        for run in runs:
+            self._start_solve(run)
+        while live := [run for run in runs if run.phase != "done"]:
+            samples = self.sampler.generate(
+                [run.prompt_ids for run in live], [self.settings.max_response_tokens] * len(live)
+            )
+            for run, sample in zip(live, samples, strict=True):
+                self._advance(run, sample)
+        return [
+            Rollout(
+                pack_id=run.spec.pack_id,
+                member=run.member,
+                env=self.env.name,
+                episodes=run.episodes,
+            )
+            for run in runs
+        ]
+
+    # --- solve-task episodes -------------------------------------------------------------------
+
+    def _start_solve(self, run: _Run) -> None:
+        run.task = self.env.task(run.spec.pack_seed, run.spec.task_indices[run.position])
+        run.turns, run.steps, run.error = [], [], None
+        first = run.position == 0 or self.settings.mode == "task_by_task"
+        system = solve_system_prompt(run.task.prompt(), context_line(run.hints, first))
+        observation = self._safe(run, run.task.reset)
+        # A task that failed to start still gets one response (so the episode has a turn, and
+        # the group keeps its shape); the error ends it right after.
+        run.observation = observation if run.error is None else f"(environment error: {run.error})"
+        run.prompt_ids = self.chat.first_prompt(system, run.observation)
+
+    def _advance(self, run: _Run, sample: Sample) -> None:
+        run.turns.append(
+            Turn(
+                prompt_ids=run.prompt_ids,
+                response_ids=sample.token_ids,
+                response_logprobs=sample.logprobs,
+                finish_reason=sample.finish_reason,
+            )
+        )
+        if run.phase == "update":
+            self._end_update(run, sample)
+            return
+        action = self.chat.decode(sample.token_ids)
+        outcome = None if run.error else self._safe(run, lambda: run.task.step(action))
+        run.steps.append((run.observation, action))
+        if outcome is None or outcome.done or len(run.turns) >= run.task.max_steps:
+            self._end_solve(run)
+            return
+        run.observation = outcome.observation
+        run.prompt_ids = (
+            run.prompt_ids
+            + sample.token_ids
+            + self.chat.continuation(sample.token_ids, outcome.observation)
+        )
+
+    def _safe(self, run: _Run, call):
+        """Call into the environment; an exception ends this episode, not the rollout."""
+        try:
+            return call()
+        except Exception as exc:  # environment code is not ours to trust: record, go on
+            run.error = f"{type(exc).__name__}: {exc}"
+            return None
+
+    def _end_solve(self, run: _Run) -> None:
+        task = run.task
+        reward = self.settings.error_reward if run.error else float(task.reward)
+        info = {"task": run.spec.task_indices[run.position], "success": task.success}
+        if run.error:
+            info["error"] = run.error
+        run.episodes.append(self._episode(run, "solve", reward, info))
+        last = run.position == len(run.spec.task_indices) - 1
+        if last:
+            run.phase = "done"
+        elif self.settings.mode == "task_by_task":
+            run.position += 1
+            self._start_solve(run)
+        else:
+            self._start_update(run, reward)
+
+    # --- update-context episodes ---------------------------------------------------------------
+
+    def _start_update(self, run: _Run, reward: float) -> None:
+        feedback = run.error or self._safe(run, run.task.feedback) or ""
+        traj = Trajectory(
+            task_prompt=run.task.prompt(),
+            steps=run.steps,
+            feedback=feedback,
+            reward=reward if self.env.reveals_reward else None,
+        )
+        context = context_line(run.hints, run.position == 0)
+        run.prompt_ids = self.chat.first_prompt(UPDATE_SYSTEM, update_user_prompt(context, traj))
+        run.turns, run.phase = [], "update"
+
+    def _end_update(self, run: _Run, sample: Sample) -> None:
+        s = self.settings
+        parsed = parse_hints(
+            self.chat.decode(sample.token_ids),
+            min_chars=s.min_hint_chars,
+            hint_penalty=s.hint_penalty,
+            max_tokens=s.max_hint_tokens,
+            truncate=self.chat.truncate,
+        )
+        run.episodes.append(
+            self._episode(
+                run, "update", parsed.reward, {"hints": parsed.text, "truncated": parsed.truncated}
+            )
+        )
+        run.hints = parsed.text
+        run.position += 1
+        run.phase = "solve"
+        self._start_solve(run)
+
+    def _episode(self, run: _Run, kind: str, reward: float, info: dict) -> Episode:
+        return Episode(
+            pack_id=run.spec.pack_id,
+            member=run.member,
+            kind=kind,
+            task_index=run.position,
+            turns=run.turns,
+            reward=reward,
+            env=self.env.name,
+            info=info,
+        )

@@ -1,0 +1,116 @@
+"""A character-level tokenizer and a toy environment for the rollout-driver tests."""
+
+from __future__ import annotations
+
+import re
+import string
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from cod_fast.envs.base import Agent, Environment, StepOutcome, Task, rng_for
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per printable character and the special tokens; with a (ChatML) template the
+    end-of-sequence token is <|im_end|>, as for Qwen models, else <eos>."""
+    chars = sorted(set(string.printable))
+    specials = ["<eos>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()  # characters join back without separators
+    eos = "<|im_end|>" if chat_template else "<eos>"
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=eos,
+        additional_special_tokens=[s for s in specials if s != eos],
+    )
+    if chat_template:
+        fast.chat_template = chat_template
+    return fast
+
+
+class GuessTask(Task):
+    env_name = "guess"
+    max_steps = 4
+
+    def __init__(self, pack_seed: int, task_index: int, secret: int, fail_on_step: bool):
+        super().__init__(pack_seed, task_index)
+        self.secret, self.fail_on_step = secret, fail_on_step
+        self.solved = False
+
+    def prompt(self) -> str:
+        return "Guess the secret digit. Answer with one digit, e.g. 7."
+
+    def reset(self) -> str:
+        return "Make a guess."
+
+    def step(self, action: str) -> StepOutcome:
+        if self.fail_on_step:
+            raise RuntimeError("simulated environment failure")
+        match = re.fullmatch(r"\s*(\d)\s*", action)
+        if match is None:
+            return StepOutcome("Expected one digit 0-9.", done=True, valid=False)
+        guess = int(match.group(1))
+        if guess == self.secret:
+            self.solved = True
+            return StepOutcome("correct", done=True)
+        return StepOutcome("higher" if guess < self.secret else "lower", done=False)
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.solved else 0.0
+
+    def feedback(self) -> str:
+        return f"The secret was {self.secret}."
+
+    @property
+    def success(self) -> bool:
+        return self.solved
+
+
+class GuessEnv(Environment):
+    """The hidden rule is the secret digit of the pack; every task asks for it."""
+
+    name = "guess"
+    description = "guess a digit"
+
+    def __init__(self, failing_pack_seed: int | None = None):
+        super().__init__()
+        self.failing_pack_seed = failing_pack_seed
+
+    def task(self, pack_seed: int, task_index: int) -> GuessTask:
+        secret = rng_for("guess", pack_seed).randrange(10)
+        return GuessTask(pack_seed, task_index, secret, pack_seed == self.failing_pack_seed)
+
+    def solver(self) -> Agent:
+        raise NotImplementedError
+
+    def explorer(self) -> Agent:
+        raise NotImplementedError
+
+
+def guess_policy(prompt: str) -> str:
+    """Scripted text policy: write the secret as a hint once seen; use a hint if there is one;
+    otherwise binary-search with the higher/lower answers in the conversation so far."""
+    if "Write the updated hints" in prompt:
+        seen = re.search(r"The secret was (\d)", prompt)
+        body = f"secret={seen.group(1)}" if seen else ""
+        return f"thinking\n--- Start of updated hints ---\n{body}\n--- End of updated hints ---"
+    hint = re.search(r"Hints: secret=(\d)", prompt)
+    if hint:
+        return hint.group(1)
+    lo, hi = 0, 9
+    # Special tokens are not in the decoded prompt: ChatML turns read "4\nuser\nhigher".
+    for guess, answer in re.findall(r"(\d)\n(?:User: |user\n)(higher|lower)", prompt):
+        if answer == "higher":
+            lo = int(guess) + 1
+        else:
+            hi = int(guess) - 1
+    return str((lo + hi) // 2)
