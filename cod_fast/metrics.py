@@ -1,0 +1,94 @@
+"""Per-position rewards, the CoD gain and success rates (SPEC.md section 6, Metrics), and plots.
+
+The capability cod-fast trains shows as reward rising with the task's position in a pack; the
+CoD gain is the mean reward at the last position minus the mean reward at position 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from cod_fast.records import Rollout
+
+
+@dataclass
+class PositionSummary:
+    """Means over packs (and group members) at each pack position."""
+
+    mean_reward: list[float]
+    success_rate: list[float] | None
+    """Share of solved tasks per position, where the environment reports success."""
+    num_packs: int
+
+    @property
+    def cod_gain(self) -> float:
+        return self.mean_reward[-1] - self.mean_reward[0] if self.mean_reward else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "mean_reward": self.mean_reward,
+            "success_rate": self.success_rate,
+            "cod_gain": self.cod_gain,
+            "num_packs": self.num_packs,
+        }
+
+
+def summarize(
+    rewards: Sequence[Sequence[float]], successes: Sequence[Sequence[bool | None]] | None = None
+) -> PositionSummary:
+    """rewards[p][k]: pack p's reward at position k (every pack the same length)."""
+    if not rewards:
+        return PositionSummary(mean_reward=[], success_rate=None, num_packs=0)
+    lengths = {len(row) for row in rewards}
+    if len(lengths) != 1:
+        raise ValueError(f"every pack must have the same number of positions, got {lengths}")
+    (k,) = lengths
+    mean = [sum(row[i] for row in rewards) / len(rewards) for i in range(k)]
+    rate = None
+    if successes and all(s is not None for row in successes for s in row):
+        rate = [sum(bool(row[i]) for row in successes) / len(successes) for i in range(k)]
+    return PositionSummary(mean_reward=mean, success_rate=rate, num_packs=len(rewards))
+
+
+def summarize_rollouts(rollouts: Sequence[Rollout]) -> PositionSummary:
+    """The same summary over driver rollouts (solve episodes, by position)."""
+    rewards, successes = [], []
+    for rollout in rollouts:
+        solves = sorted(
+            (e for e in rollout.episodes if e.kind == "solve"), key=lambda e: e.task_index
+        )
+        rewards.append([e.reward for e in solves])
+        successes.append([e.info.get("success") for e in solves])
+    return summarize(rewards, successes)
+
+
+def plot_positions(curves: dict[str, PositionSummary], path: str | Path, title: str) -> Path:
+    """A PNG of mean reward against pack position, one line per curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training machines
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for label, summary in curves.items():
+        xs = range(len(summary.mean_reward))
+        ax.plot(
+            xs,
+            summary.mean_reward,
+            marker="o",
+            label=f"{label} (gain {summary.cod_gain:+.2f}, n={summary.num_packs})",
+        )
+    ax.set_xlabel("position in pack")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    return path
