@@ -29,6 +29,8 @@ config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_
 app.add_typer(config_app, name="config")
 bench_app = typer.Typer(help="Benchmark the kernels (cod_fast.bench).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+envs_app = typer.Typer(help="List, play and solve the CoD environments.", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
 
 OPTIONAL_EXTRAS = ("vllm", "flash_attn", "liger_kernel", "triton")
 
@@ -148,3 +150,97 @@ def bench_kernels(
 
     options = dict(cases=cases, impls=impls, reps=reps, warmup=warmup, scale=scale, out=out)
     kernels.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])
+
+
+SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]
+SizeOption = Annotated[str, typer.Option("--size", help="full (SPEC sizes) or tiny.")]
+
+
+def _make_env(name: str, setting: str, size: str):
+    from cod_fast.envs import make_env
+
+    try:
+        return make_env(name, setting, size)  # type: ignore[arg-type]
+    except ValueError as e:
+        Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """The environments and what each asks of the agent."""
+    from cod_fast.envs import ENVIRONMENTS, env_class
+
+    table = Table(title="CoD environments")
+    for column in ("name", "description", "reward shown to update episode"):
+        table.add_column(column)
+    for name in ENVIRONMENTS:
+        cls = env_class(name)
+        table.add_row(name, Text(cls.description), "yes" if cls.reveals_reward else "no")
+    Console().print(table)
+
+
+@envs_app.command("solve")
+def envs_solve(
+    env: Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")],
+    packs: Annotated[int, typer.Option(help="Packs to play.")] = 100,
+    tasks: Annotated[int, typer.Option(help="Tasks per pack (K).")] = 4,
+    setting: SettingOption = "train",
+    size: SizeOption = "full",
+) -> None:
+    """Per-position rewards of the scripted solver and explorer (with and without hints)."""
+    from cod_fast.envs.base import play_pack
+    from cod_fast.envs.packs import pack_seeds
+    from cod_fast.metrics import summarize
+
+    environment = _make_env(env, setting, size)
+    seeds = pack_seeds("eval" if setting == "eval" else "train", packs)
+    table = Table(title=f"{env} ({setting}, {size}): mean reward by pack position, {packs} packs")
+    table.add_column("agent")
+    for k in range(tasks):
+        table.add_column(f"pos {k}", justify="right")
+    table.add_column("CoD gain", justify="right")
+    agents = (
+        ("solver", environment.solver, True),
+        ("explorer, hints", environment.explorer, True),
+        ("explorer, no hints", environment.explorer, False),
+    )
+    for label, factory, use_hints in agents:
+        results = [play_pack(environment, factory(), seed, tasks, use_hints) for seed in seeds]
+        summary = summarize([r.rewards for r in results], [r.successes for r in results])
+        table.add_row(label, *(f"{x:.3f}" for x in summary.mean_reward), f"{summary.cod_gain:+.3f}")
+    Console().print(table)
+
+
+@envs_app.command("play")
+def envs_play(
+    env: Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")],
+    tasks: Annotated[int, typer.Option(help="Tasks in the pack.")] = 3,
+    seed: Annotated[int, typer.Option(help="Pack number (the same number, the same pack).")] = 0,
+    setting: SettingOption = "train",
+    size: SizeOption = "tiny",
+) -> None:
+    """Play a pack in the terminal: actions at the prompt, your own hints between tasks."""
+    from cod_fast.envs.packs import pack_seeds
+    from cod_fast.rollout.hints import context_line
+    from cod_fast.rollout.prompts import solve_system_prompt
+
+    environment = _make_env(env, setting, size)
+    (pack_seed,) = pack_seeds("play", 1, start=seed)
+    hints: str | None = None
+    console = Console()
+    for k in range(tasks):
+        task = environment.task(pack_seed, k)
+        console.rule(f"task {k}")
+        console.print(Text(solve_system_prompt(task.prompt(), context_line(hints, k == 0))))
+        observation = task.reset()
+        for _ in range(task.max_steps):
+            console.print(Text(observation), style="cyan")
+            outcome = task.step(typer.prompt("action"))
+            observation = outcome.observation
+            if outcome.done:
+                break
+        console.print(Text(observation), style="cyan")
+        console.print(f"reward {task.reward:.3f}; feedback: {task.feedback()}", markup=False)
+        if k < tasks - 1:
+            hints = typer.prompt("your hints for the next task (empty: none)", default="") or None

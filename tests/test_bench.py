@@ -59,3 +59,18 @@ def test_cli_forwards_only_the_given_options(monkeypatch):
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert seen == [["--cases", "tiny", "--reps", "2", "--scale", "0.5"]]
+
+
+def test_env_benchmark_smoke(tmp_path):
+    """bench.envs measures every environment's step rate and the driver's per-call overhead,
+    prints JSON last and appends CSV rows."""
+    from cod_fast.bench import envs as bench_envs
+    from cod_fast.envs import ENVIRONMENTS
+
+    result = bench_envs.main(
+        ["--packs", "2", "--tasks", "2", "--group", "2", "--size", "tiny", "--out", str(tmp_path)]
+    )
+    assert [row["env"] for row in result["envs"]] == list(ENVIRONMENTS)
+    assert all(row["steps"] > 0 and row["steps_per_s"] > 0 for row in result["envs"])
+    assert result["driver"]["calls"] >= 1 and result["driver"]["overhead_ms_per_call"] > 0
+    assert len((tmp_path / "envs.csv").read_text().splitlines()) == len(ENVIRONMENTS) + 1

@@ -152,8 +152,9 @@ def play_task(task: Task, agent: Agent, hints: str | None) -> float:
     return task.reward
 
 
-def play_pack(env: Environment, agent: Agent, pack_seed: int, num_tasks: int,
-              use_hints: bool = True) -> PackResult:
+def play_pack(
+    env: Environment, agent: Agent, pack_seed: int, num_tasks: int, use_hints: bool = True
+) -> PackResult:
     """Tasks 0..K-1 of a pack in order; between tasks the agent rewrites its hints (replacing the
     old ones), unless `use_hints` is False, when every task starts from no hints."""
     result = PackResult(rewards=[])

@@ -1,0 +1,600 @@
+"""Terminal (SPEC.md section 6): file chores in a simulated shell whose dialect is hidden.
+
+The hidden rule of a pack is the shell dialect: Windows cmd (`dir`, `type`, `copy`, `move`, `del`,
+`mkdir`, `cd`, `start`; `\\` paths), Linux bash or macOS zsh (`ls`, `cat`, `cp`, `mv`, `rm`,
+`mkdir`, `cd`; `/` paths). Linux and macOS differ visibly: the file opener (`xdg-open` against
+`open`), `uname`, the home folder (/home/<user> against /Users/<user>), the shells' error messages
+(`bash: x: command not found` against `zsh: command not found: x`) and `ls --color` (Linux only).
+The shell is pure Python over an in-memory tree: nothing here touches the real file system or
+starts a process, and the command line is only split into words, never executed.
+
+A task is a goal of independent conditions (copy a file into a folder, move one, delete one, make
+a folder, open a file). Each condition takes one command once the dialect is known, so the
+minimal number of commands m is the number of conditions. Reward: 1 when every condition holds
+within m commands ("early": any command spent finding out the dialect costs the full reward);
+otherwise 0.5 x the fraction of conditions that hold when the episode ends (in [0, 0.5]).
+`success` means the goal was complete, early or not.
+
+Settings: train 2-3 conditions, folders 1-2 deep, budget m + 3; eval 3-4 conditions, folders 2-3
+deep, budget m + 1; tiny 1-2 conditions (eval 2), three files and a folder in home, short
+outputs, budget m + 2 (eval m + 1), every answer at most 32 characters. The scripted explorer probes with `uname`, reads the dialect off the answer (or
+off any error message) and writes `dialect: <name>` as its hint.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+import re
+import shlex
+from dataclasses import dataclass
+
+from cod_fast.envs.base import Agent, Environment, Setting, Size, StepOutcome, Task, rng_for
+
+DIALECTS = ("windows", "macos", "linux")
+PARTIAL_SCALE = 0.5
+"""An incomplete or late goal earns at most this much (times the fraction of conditions met)."""
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_CHAINING = re.compile(r"[;|&<>`]|\$\(")
+HOME = "home folder"
+"""How goals name the home folder itself (a dialect-neutral name)."""
+FORMAT = "one command line inside <answer></answer>, e.g. <answer>cd docs</answer>"
+
+
+@dataclass(frozen=True)
+class TerminalSettings:
+    """Sizes of one (setting, size) combination."""
+
+    conditions: tuple[int, int]
+    """Range of goal conditions (inclusive)."""
+    depth: int
+    """Deepest folder level below home that files and goal folders may sit at."""
+    files: tuple[int, int]
+    """Range of files in the tree."""
+    slack: int
+    """Step budget = minimal commands + slack."""
+    short: bool
+    """Short file names and terse outputs (tiny)."""
+
+
+SETTINGS: dict[tuple[str, str], TerminalSettings] = {
+    ("train", "full"): TerminalSettings(conditions=(2, 3), depth=2, files=(4, 6), slack=3, short=False),
+    ("eval", "full"): TerminalSettings(conditions=(3, 4), depth=3, files=(6, 8), slack=1, short=False),
+    ("train", "tiny"): TerminalSettings(conditions=(1, 2), depth=1, files=(3, 3), slack=2, short=True),
+    ("eval", "tiny"): TerminalSettings(conditions=(2, 2), depth=1, files=(3, 4), slack=1, short=True),
+}  # fmt: skip
+_FILES = ("notes.txt", "report.md", "todo.txt", "data.csv", "tmp.log", "draft.doc", "photo.jpg",
+          "budget.xls", "readme.txt", "cache.tmp", "song.mp3", "list.txt")  # fmt: skip
+_DIRS = ("docs", "backup", "old", "work", "archive", "photos", "src", "music", "2023", "2024",
+         "final", "misc")  # fmt: skip
+_TINY_FILES = ("a.txt", "b.log", "c.md", "d.csv")
+_TINY_DIRS = ("bk", "old")
+_USERS = ("ana", "ben", "kim", "lee", "max", "sam")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One part of the goal; paths are component tuples relative to home."""
+
+    kind: str
+    """`copy`, `move` (file `path` into folder `dest`), `delete`, `mkdir` or `open`."""
+    path: tuple[str, ...]
+    dest: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        verb, p = ("make folder" if self.kind == "mkdir" else self.kind), "/".join(self.path)
+        if self.kind in ("copy", "move"):
+            return f"{verb} {p} into {'/'.join(self.dest) or HOME}"
+        return f"{verb} {p}"
+
+
+def tokenize(line: str) -> list[str] | None:
+    """Split a command line into words (quotes group words); None when the quoting is broken.
+    Backslashes stay literal, since they are Windows path separators."""
+    try:
+        return shlex.split(line, posix=False)
+    except ValueError:
+        return None
+
+
+def command_for(c: Condition, dialect: str) -> str:
+    """The one command that fulfils `c` in `dialect` (paths relative to home)."""
+    sep = "\\" if dialect == "windows" else "/"
+    p = sep.join(c.path)
+    d = (sep.join(c.dest) or ".") if c.kind in ("copy", "move") else ""  # agents never leave home
+    if dialect == "windows":
+        verbs = {"copy": "copy", "move": "move", "delete": "del", "mkdir": "mkdir", "open": "start"}
+    else:
+        opener = "open" if dialect == "macos" else "xdg-open"
+        mkdir = "mkdir -p" if len(c.path) > 1 else "mkdir"
+        verbs = {"copy": "cp", "move": "mv", "delete": "rm", "mkdir": mkdir, "open": opener}
+    return f"{verbs[c.kind]} {p} {d}".rstrip()
+
+
+def plan(conditions: list[Condition], dialect: str) -> list[str]:
+    """Commands for every condition, folders first (a copy or move may target a new folder)."""
+    ordered = sorted(conditions, key=lambda c: c.kind != "mkdir")
+    return [command_for(c, dialect) for c in ordered]
+
+
+class Shell:
+    """An in-memory file tree (folders are dicts, files are strings) and one dialect's commands."""
+
+    def __init__(self, dialect: str, user: str, home: dict, short: bool):
+        self.dialect, self.short = dialect, short
+        top = {"windows": ["C:", "Users"], "macos": ["Users"]}.get(dialect, ["home"])
+        self.home = [*top, user]
+        self.root: dict = {}
+        node = self.root
+        for part in self.home[:-1]:
+            node = node.setdefault(part, {})
+        node[self.home[-1]] = home
+        self.cwd = list(self.home)
+        self.opened: set[tuple[str, ...]] = set()
+
+    def show(self, path: list[str]) -> str:
+        if self.dialect == "windows":
+            return "\\".join(path) if len(path) > 1 else path[0] + "\\"
+        return "/" + "/".join(path)
+
+    def resolve(self, arg: str) -> list[str] | None:
+        """Absolute path components of `arg`; None for a Windows path written with `/`."""
+        arg = arg.strip('"')
+        if self.dialect == "windows":
+            if "/" in arg:
+                return None
+            drive = re.match(r"^[a-zA-Z]:", arg)
+            parts = ["C:"] if drive else list(self.cwd[:1] if arg.startswith("\\") else self.cwd)
+            rest = arg[2:] if drive else arg
+            pieces = rest.split("\\")
+        else:
+            parts = [] if arg.startswith("/") else list(self.cwd)
+            if arg == "~" or arg.startswith("~/"):
+                parts, arg = list(self.home), arg[1:]
+            pieces = arg.split("/")
+        for piece in pieces:
+            if piece == "..":
+                parts = parts[:-1] if len(parts) > (self.dialect == "windows") else parts
+            elif piece not in ("", "."):
+                parts.append(piece)
+        return parts
+
+    def writable(self, path: list[str]) -> bool:
+        """Only what lies inside home may change (the rest of the tree is the system's)."""
+        return len(path) > len(self.home) and path[: len(self.home)] == self.home
+
+    def get(self, path: list[str]):
+        node = self.root
+        for part in path:
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def run(self, words: list[str]) -> str:
+        name, args = words[0], words[1:]
+        if self.dialect == "windows":
+            return self._windows(name.lower(), [a for a in args if not a.startswith("/")])
+        return self._unix(name, args)
+
+    def _not_found(self, name: str) -> str:
+        if self.dialect == "windows":
+            tail = " as an internal or external command,\noperable program or batch file."
+            return f"'{name}' is not recognized{'' if self.short else tail}"
+        if self.dialect == "macos":
+            return f"zsh: command not found: {name}"
+        return f"bash: {name}: command not found"
+
+    def _transfer(self, args: list[str], keep: bool) -> str | None:
+        """copy/move `args[0]` to `args[1]` (into it when it is a folder); None when done, else
+        the kind of failure: `usage`, `syntax`, `missing`, `path`, `denied` or `same`."""
+        if len(args) != 2:
+            return "usage"
+        src, dst = self.resolve(args[0]), self.resolve(args[1])
+        if src is None or dst is None:
+            return "syntax"
+        content = self.get(src)
+        if not isinstance(content, str):
+            return "missing"
+        if isinstance(self.get(dst), dict):
+            dst = [*dst, src[-1]]
+        elif args[1].endswith(("/", "\\")):
+            return "path"
+        if not self.writable(dst) or not (keep or self.writable(src)):
+            return "denied"
+        folder = self.get(dst[:-1])
+        if not isinstance(folder, dict) or isinstance(folder.get(dst[-1]), dict):
+            return "path"
+        if dst == src:
+            return "same"
+        folder[dst[-1]] = content
+        if not keep:
+            del self.get(src[:-1])[src[-1]]
+        return None
+
+    def _windows(self, name: str, args: list[str]) -> str:
+        syntax = "The syntax of the command is incorrect."
+        no_file = "The system cannot find the file specified."
+        no_path = "The system cannot find the path specified."
+        denied = "Access is denied."
+        if name in ("copy", "move"):
+            error = self._transfer(args, keep=name == "copy")
+            if error is None:
+                done = f"1 file(s) {'copied' if name == 'copy' else 'moved'}."
+                return done if self.short else f"        {done}"
+            if error == "same":
+                return "The file cannot be copied onto itself."
+            return {"missing": no_file, "path": no_path, "denied": denied}.get(error, syntax)
+        if name == "ver":
+            return "Microsoft Windows [Version 10.0.19045.3803]"
+        if name not in ("dir", "type", "del", "erase", "mkdir", "md", "cd", "chdir", "start"):
+            return self._not_found(name)
+        if len(args) > 1 or (not args and name not in ("dir", "cd", "chdir")):
+            return syntax
+        path = self.resolve(args[0]) if args else list(self.cwd)
+        if path is None:
+            return syntax
+        node = self.get(path)
+        if name == "dir":
+            if not isinstance(node, dict):
+                return "File Not Found"
+            entries = [
+                ("<DIR>  " if isinstance(node[k], dict) else " " * 7) + k for k in sorted(node)
+            ]
+            if self.short:
+                return " ".join(" ".join(e.split()) for e in entries)
+            return "\n".join([f" Directory of {self.show(path)}", "", *entries])
+        if name in ("cd", "chdir"):
+            if not args:
+                return self.show(self.cwd)
+            if not isinstance(node, dict):
+                return no_path
+            self.cwd = path
+            return ""
+        if name in ("mkdir", "md", "del", "erase") and not self.writable(path):
+            return denied
+        if name in ("mkdir", "md"):
+            if node is not None:
+                return f"A subdirectory or file {args[0]} already exists."
+            return no_path if self._mkdir(path, parents=True) else ""
+        if not isinstance(node, str):
+            if name in ("del", "erase"):
+                return f"Could Not Find {self.show(path)}"
+            return no_file if name == "type" else f"The system cannot find the file {args[0]}."
+        if name == "type":
+            return node
+        if name == "start":
+            self.opened.add(tuple(path))
+            return ""
+        del self.get(path[:-1])[path[-1]]
+        return ""
+
+    def _mkdir(self, path: list[str], parents: bool) -> str | None:
+        """Make folder `path`; with `parents` also the missing folders above it."""
+        node = self.root
+        for i, part in enumerate(path):
+            if part not in node:
+                if i < len(path) - 1 and not parents:
+                    return "missing"
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict):
+                return "missing"
+        return None
+
+    def _unix(self, name: str, args: list[str]) -> str:
+        mac = self.dialect == "macos"
+        flags = [a for a in args if a.startswith("-")]
+        args = [a for a in args if not a.startswith("-")]
+
+        def fail(cmd: str, arg: str, why: str, verb: str = "cannot stat") -> str:
+            # BSD tools (macOS) and GNU tools (Linux) word their errors differently.
+            return f"{cmd}: {arg}: {why}" if mac else f"{cmd}: {verb} '{arg}': {why}"
+
+        missing = "No such file or directory"
+        if name == "uname":
+            return "Darwin" if mac else "Linux"
+        if name == "pwd":
+            return self.show(self.cwd)
+        if name in ("cp", "mv"):
+            error = self._transfer(args, keep=name == "cp")
+            if error is None:
+                return ""
+            if error == "usage":
+                return f"usage: {name} source target" if mac else f"{name}: missing file operand"
+            if error == "same":
+                return f"{name}: {args[0]} and {args[1]} are identical"
+            if error == "denied":
+                return fail(name, args[1], "Permission denied", "cannot create regular file")
+            return fail(name, args[error == "path"], missing)
+        if name not in ("ls", "cat", "rm", "mkdir", "cd", "open" if mac else "xdg-open"):
+            return self._not_found(name)
+        if name == "ls":
+            if mac and "--color" in flags:  # BSD ls spells it -G
+                return "ls: unrecognized option `--color'"
+            node = self.get(self.resolve(args[0]) if args else self.cwd)
+            if node is None:
+                return fail("ls", args[0], missing, "cannot access")
+            if isinstance(node, str):
+                return args[0]
+            mark = any("F" in f for f in flags)
+            return "  ".join(k + "/" * (mark and isinstance(node[k], dict)) for k in sorted(node))
+        if name == "cd":
+            path = self.resolve(args[0]) if args else list(self.home)
+            if not isinstance(self.get(path), dict):
+                return (
+                    f"cd: no such file or directory: {args[0]}"
+                    if mac
+                    else f"bash: cd: {args[0]}: {missing}"
+                )
+            self.cwd = path
+            return ""
+        if len(args) != 1:
+            return f"usage: {name} file" if mac else f"{name}: missing operand"
+        path = self.resolve(args[0])
+        node = self.get(path)
+        if name in ("mkdir", "rm") and not self.writable(path):
+            verb = "cannot remove" if name == "rm" else "cannot create directory"
+            return fail(name, args[0], "Permission denied", verb)
+        if name == "mkdir":
+            if node is not None:
+                return fail("mkdir", args[0], "File exists", "cannot create directory")
+            if self._mkdir(path, parents="-p" in flags):
+                return fail("mkdir", args[0], missing, "cannot create directory")
+            return ""
+        if name == "rm" and isinstance(node, dict) and any("r" in f for f in flags):
+            del self.get(path[:-1])[path[-1]]
+            return ""
+        if name == "rm" and isinstance(node, dict):
+            return fail(
+                "rm", args[0], "is a directory" if mac else "Is a directory", "cannot remove"
+            )
+        if not isinstance(node, str):
+            if name == "open":
+                return f"The file {self.show(path)} does not exist."
+            if name == "xdg-open":
+                return f"xdg-open: file '{args[0]}' does not exist"
+            if name == "cat":  # GNU cat words it like BSD cat
+                return f"cat: {args[0]}: {missing}"
+            return fail(name, args[0], missing, "cannot remove" if name == "rm" else "cannot stat")
+        if name == "cat":
+            return node
+        if name == "rm":
+            del self.get(path[:-1])[path[-1]]
+            return ""
+        self.opened.add(tuple(path))
+        return ""
+
+
+def make_tree(rng: random.Random, s: TerminalSettings) -> tuple[dict, list[Condition]]:
+    """A home tree and a goal over it. Every file has a distinct name, so no two conditions touch
+    the same file and no condition holds at the start."""
+    files, dirs = (_TINY_FILES, _TINY_DIRS) if s.short else (_FILES, _DIRS)
+    dir_names = rng.sample(dirs, min(len(dirs), 1 if s.short else 2 + s.depth))
+    home: dict = {}
+    folders: list[tuple[str, ...]] = [()]
+    for name in dir_names:  # each new folder goes under home or a folder that is not too deep
+        parent = rng.choice([f for f in folders if len(f) < s.depth])
+        folders.append((*parent, name))
+        node = home
+        for part in parent:
+            node = node[part]
+        node[name] = {}
+    places: list[tuple[str, ...]] = []
+    for name in rng.sample(files, rng.randint(*s.files)):
+        # Tiny files sit in home, so every answer fits a 32-character response.
+        folder = () if s.short else rng.choice(folders)
+        node = home
+        for part in folder:
+            node = node[part]
+        node[name] = f"{name.split('.')[0]} v{rng.randint(1, 9)}"
+        places.append((*folder, name))
+    conditions: list[Condition] = []
+    spare = [d for d in dirs if d not in dir_names]
+    for _ in range(rng.randint(*s.conditions)):
+        kinds = ["copy", "move", "delete", "open"] + (["mkdir"] if spare else [])
+        kind = rng.choice(kinds)
+        if kind == "mkdir":
+            parents = [f for f in folders if len(f) < s.depth]
+            new = (*rng.choice(parents), spare.pop(rng.randrange(len(spare))))
+            conditions.append(Condition("mkdir", new))
+            folders.append(new)  # later copies and moves may target the new folder
+            continue
+        path = places.pop(rng.randrange(len(places)))
+        if kind in ("copy", "move"):
+            dest = rng.choice([f for f in folders if f != path[:-1]])
+            conditions.append(Condition(kind, path, dest))
+        else:
+            conditions.append(Condition(kind, path))
+    return home, conditions
+
+
+class TerminalTask(Task):
+    """Reach the goal in the shell. Hidden: `dialect` (and the `user` name behind home)."""
+
+    env_name = "terminal"
+
+    def __init__(
+        self,
+        pack_seed: int,
+        task_index: int,
+        rule: tuple[str, str],
+        rng: random.Random,
+        s: TerminalSettings,
+    ):
+        super().__init__(pack_seed, task_index)
+        self.dialect, self.user = rule
+        self.settings = s
+        self.start_tree, self.conditions = make_tree(rng, s)
+        self.min_steps = len(self.conditions)
+        self.max_steps = self.min_steps + s.slack
+        self.reset()
+
+    def prompt(self) -> str:
+        goal = "; ".join(c.text() for c in self.conditions)
+        m, n = self.min_steps, self.max_steps
+        if self.settings.short:
+            return f"Shell. Goal: {goal}. Best in {m} cmds, max {n}. Reply <answer>cd bk</answer>."
+        lines = "\n".join(f"- {c.text()}" for c in self.conditions)
+        return (
+            "You are at a command line in your home folder. The shell is Windows cmd, macOS or "
+            "Linux; you are not told which, and it is the same for every task of this session.\n"
+            f"Goal:\n{lines}\n"
+            "Paths are written with / here; use your shell's own separator. Full reward for "
+            f"finishing in at most {m} commands; otherwise a partial score. At most {n} commands.\n"
+            f"Answer with {FORMAT}"
+        )
+
+    def reset(self) -> str:
+        tree = copy.deepcopy(self.start_tree)
+        self.shell = Shell(self.dialect, self.user, tree, self.settings.short)
+        self.steps = 0
+        self.malformed = False
+        self.last_output = ""
+        return "ready" if self.settings.short else "(home folder; no command run yet)"
+
+    def holds(self, c: Condition) -> bool:
+        """Whether condition `c` holds in the current tree."""
+        sh = self.shell
+        here = sh.get([*sh.home, *c.path])
+        if c.kind == "mkdir":
+            return isinstance(here, dict)
+        if c.kind == "delete":
+            return here is None
+        if c.kind == "open":
+            return (*sh.home, *c.path) in sh.opened
+        original = functools.reduce(dict.__getitem__, c.path, self.start_tree)
+        there = sh.get([*sh.home, *c.dest, c.path[-1]])
+        return there == original and (here == original if c.kind == "copy" else here is None)
+
+    def met(self) -> int:
+        return sum(self.holds(c) for c in self.conditions)
+
+    def step(self, action: str) -> StepOutcome:
+        found = _ANSWER.findall(action)
+        line = found[-1].strip() if found else ""
+        words = tokenize(line) if line and "\n" not in line and not _CHAINING.search(line) else None
+        if not words or len(line) > 200:
+            self.malformed = True
+            return StepOutcome(f"Invalid action: expected {FORMAT}.", done=True, valid=False)
+        self.steps += 1
+        output = self.shell.run(words)
+        self.last_output = output or ("ok" if self.settings.short else "(no output)")
+        done = self.met() == len(self.conditions) or self.steps >= self.max_steps
+        return StepOutcome(self.last_output, done=done)
+
+    @property
+    def success(self) -> bool:
+        return not self.malformed and self.met() == len(self.conditions)
+
+    @property
+    def reward(self) -> float:
+        if self.success and self.steps <= self.min_steps:
+            return 1.0
+        return 0.0 if self.malformed else PARTIAL_SCALE * self.met() / len(self.conditions)
+
+    def feedback(self) -> str:
+        if self.malformed:
+            return f"Invalid action format; expected {FORMAT}. Reward 0."
+        met, total, r = self.met(), len(self.conditions), self.reward
+        if self.settings.short:
+            return f"{met}/{total} done in {self.steps} cmds. reward {r:.2f}"
+        late = " but not within the minimum" if self.success and r < 1 else ""
+        return (
+            f"Last output: {self.last_output}\nGoal: {met} of {total} parts done in {self.steps} "
+            f"commands (minimum {self.min_steps}){late}. Reward {r:.3f}."
+        )
+
+
+def parse_goal(prompt: str) -> list[Condition]:
+    """The goal conditions from a task prompt (what the explorer knows of the task)."""
+    goal = prompt.split("Goal:", 1)[1].split("Paths are")[0].split(". Best in")[0]
+    out = []
+    for part in re.split(r"\n- |; |\n", goal):
+        m = re.match(rf"\s*(copy|move|delete|make folder|open) (\S+)(?: into ({HOME}|\S+))?", part)
+        if m:
+            kind = "mkdir" if m.group(1) == "make folder" else m.group(1)
+            dest = tuple(m.group(3).split("/")) if m.group(3) not in (None, HOME) else ()
+            out.append(Condition(kind, tuple(m.group(2).split("/")), dest))
+    return out
+
+
+def dialect_of(output: str) -> str | None:
+    """The dialect a shell output gives away, if any."""
+    if "is not recognized" in output or "Microsoft Windows" in output:
+        return "windows"
+    if "zsh:" in output or output.strip() == "Darwin":
+        return "macos"
+    if "bash:" in output or output.strip() == "Linux":
+        return "linux"
+    return None
+
+
+class TerminalSolver(Agent):
+    """Reads the hidden dialect and types the minimal plan."""
+
+    def start(self, task: Task, hints: str | None) -> None:
+        assert isinstance(task, TerminalTask)
+        self.queue = plan(task.conditions, task.dialect)
+
+    def act(self, observation: str) -> str:
+        return f"<answer>{self.queue.pop(0) if self.queue else 'cd .'}</answer>"
+
+
+class TerminalExplorer(Agent):
+    """Knows only the prompt, the outputs and its hint `dialect: <name>`.
+
+    Without a hint it probes with `uname` (a Windows error, `Darwin` or `Linux`); an error met
+    later that names another shell also resets its belief and replans the remaining goal.
+    """
+
+    def start(self, task: Task, hints: str | None) -> None:
+        self.goal = parse_goal(task.prompt())
+        m = re.search(r"dialect:\s*(windows|macos|linux)", (hints or "").lower())
+        self.dialect = m.group(1) if m else None
+        self.next = 0  # index of the next command of the plan
+        self.sent: str | None = None
+
+    def act(self, observation: str) -> str:
+        seen = dialect_of(observation) if self.sent else None
+        if seen and seen != self.dialect:  # a wrong or missing belief
+            if self.dialect is not None:
+                self.next -= 1  # the command just sent failed: redo it in the right dialect
+            self.dialect = seen
+        if self.dialect is None:
+            self.sent = "uname"
+        else:
+            commands = plan(self.goal, self.dialect)
+            self.sent = commands[self.next] if self.next < len(commands) else "cd ."
+            self.next += 1
+        return f"<answer>{self.sent}</answer>"
+
+    def write_hints(self, task: Task, old_hints: str | None) -> str | None:
+        return f"dialect: {self.dialect}" if self.dialect else old_hints
+
+
+class TerminalEnv(Environment):
+    """Terminal: file chores in a shell whose dialect (Windows / macOS / Linux) is hidden."""
+
+    name = "terminal"
+    description = "Do file chores in a simulated shell whose dialect is hidden."
+
+    def __init__(self, setting: Setting = "train", size: Size = "full"):
+        super().__init__(setting, size)
+        self.settings = SETTINGS[(setting, size)]
+
+    def rule(self, pack_seed: int) -> tuple[str, str]:
+        """The hidden rule: (dialect, user)."""
+        rng = rng_for(self.name, "rule", pack_seed, self.setting, self.size)
+        return rng.choice(DIALECTS), rng.choice(_USERS)
+
+    def task(self, pack_seed: int, task_index: int) -> TerminalTask:
+        rng = rng_for(self.name, "task", pack_seed, task_index, self.setting, self.size)
+        return TerminalTask(pack_seed, task_index, self.rule(pack_seed), rng, self.settings)
+
+    def solver(self) -> Agent:
+        return TerminalSolver()
+
+    def explorer(self) -> Agent:
+        return TerminalExplorer()
