@@ -244,3 +244,58 @@ def envs_play(
         console.print(f"reward {task.reward:.3f}; feedback: {task.feedback()}", markup=False)
         if k < tasks - 1:
             hints = typer.prompt("your hints for the next task (empty: none)", default="") or None
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[Path, typer.Option("--model", help="A Hugging Face model folder.")],
+    env: Annotated[str, typer.Option(help="The training environment (in-domain).")] = "frozenlake",
+    cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
+    ralph: Annotated[bool, typer.Option(help="Also the Ralph-loop pack strategies.")] = False,
+    packs: Annotated[int, typer.Option(help="Eval packs per environment and strategy.")] = 32,
+    tasks: Annotated[int, typer.Option(help="Tasks per pack (K).")] = 4,
+    size: SizeOption = "full",
+    max_response_tokens: Annotated[int, typer.Option(help="Cap per response.")] = 512,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    out: Annotated[Path, typer.Option(help="Folder for eval.json and eval.png.")] = Path(
+        "runs/eval"
+    ),
+) -> None:
+    """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from cod_fast.envs import ENVIRONMENTS
+    from cod_fast.evaluate import EvalPlan, evaluate
+    from cod_fast.rollout.chat import ChatFormat
+    from cod_fast.rollout.driver import DriverSettings
+    from cod_fast.rollout.hf_sampler import HFGenerateSampler
+
+    _make_env(env, "eval", size)  # a clear error for a bad name before loading the model
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model).eval()
+    sampler = HFGenerateSampler(policy, tokenizer, temperature=temperature, seed=seed)
+    envs = (env, *(name for name in ENVIRONMENTS if name != env)) if cross_domain else (env,)
+    strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
+    plan = EvalPlan(envs=envs, strategies=strategies, size=size, packs=packs, tasks=tasks)
+    report = evaluate(
+        sampler,
+        ChatFormat(tokenizer),
+        plan,
+        DriverSettings(max_response_tokens=max_response_tokens),
+        out,
+    )
+    table = Table(title=f"eval ({size}): mean reward by pack position, {packs} packs")
+    table.add_column("env / strategy")
+    for k in range(tasks):
+        table.add_column(f"pos {k}", justify="right")
+    table.add_column("CoD gain", justify="right")
+    for name, by_strategy in report["results"].items():
+        for strategy, row in by_strategy.items():
+            table.add_row(
+                f"{name} / {strategy}",
+                *(f"{x:.3f}" for x in row["mean_reward"]),
+                f"{row['cod_gain']:+.3f}",
+            )
+    Console().print(table)
+    typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")
