@@ -212,13 +212,21 @@ class RolloutConfig(_Config):
     """Share of GPU memory vLLM may take; the trainer needs the rest."""
     eval_packs: int = 64
     """Packs rolled out per evaluation; 0 turns evaluation off."""
+    length_penalty: float = 0.0
+    """Subtracted from the reward of an episode with a response cut at max_response_tokens."""
+    env_error_reward: float = 0.0
+    """Reward of a solve episode whose environment raised or timed out."""
+    env_timeout_s: float | None = 30.0
+    """Give up on one environment call after this many seconds; null waits forever."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least(1, "packs_per_step", "tasks_per_pack", "max_response_tokens")
         self._at_least(1, "max_hint_tokens")
         self._at_least(2, "group_size")  # the baseline is a group mean
-        self._at_least(0, "min_hint_chars", "hint_penalty", "eval_packs")
+        self._at_least(0, "min_hint_chars", "hint_penalty", "eval_packs", "length_penalty")
+        if self.env_timeout_s is not None:
+            self._above(0, "env_timeout_s")
         self._require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
         memory_ok = 0 < self.vllm_gpu_memory_utilization < 1
         self._require(memory_ok, "vllm_gpu_memory_utilization", "a number in (0, 1)")

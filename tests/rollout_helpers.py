@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 from cod_fast.envs.base import Agent, Environment, StepOutcome, Task, rng_for
 from cod_fast.tokenizer import CHATML, char_tokenizer  # noqa: F401 - re-exported for tests
@@ -12,7 +13,7 @@ class GuessTask(Task):
     env_name = "guess"
     max_steps = 4
 
-    def __init__(self, pack_seed: int, task_index: int, secret: int, fail_on_step: bool):
+    def __init__(self, pack_seed: int, task_index: int, secret: int, fail_on_step: str | None):
         super().__init__(pack_seed, task_index)
         self.secret, self.fail_on_step = secret, fail_on_step
         self.solved = False
@@ -24,8 +25,10 @@ class GuessTask(Task):
         return "Make a guess."
 
     def step(self, action: str) -> StepOutcome:
-        if self.fail_on_step:
+        if self.fail_on_step == "raise":
             raise RuntimeError("simulated environment failure")
+        if self.fail_on_step == "hang":
+            threading.Event().wait()  # never set: a step that never returns
         match = re.fullmatch(r"\s*(\d)\s*", action)
         if match is None:
             return StepOutcome("Expected one digit 0-9.", done=True, valid=False)
@@ -53,13 +56,14 @@ class GuessEnv(Environment):
     name = "guess"
     description = "guess a digit"
 
-    def __init__(self, failing_pack_seed: int | None = None):
+    def __init__(self, failing_pack_seed: int | None = None, failure: str = "raise"):
         super().__init__()
-        self.failing_pack_seed = failing_pack_seed
+        self.failing_pack_seed, self.failure = failing_pack_seed, failure
 
     def task(self, pack_seed: int, task_index: int) -> GuessTask:
         secret = rng_for("guess", pack_seed).randrange(10)
-        return GuessTask(pack_seed, task_index, secret, pack_seed == self.failing_pack_seed)
+        failing = pack_seed == self.failing_pack_seed
+        return GuessTask(pack_seed, task_index, secret, self.failure if failing else None)
 
     def solver(self) -> Agent:
         raise NotImplementedError

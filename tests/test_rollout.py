@@ -70,12 +70,13 @@ def test_continuation_appends_to_sampled_ids(template):
         assert text.endswith("Assistant: 4<eos>\nUser: higher\nAssistant: ")
 
 
-def run_guess(mode="cod", group=3, packs=2, tasks=3, template=CHATML, max_tokens=200, env=None):
+def run_guess(
+    mode="cod", group=3, packs=2, tasks=3, template=CHATML, max_tokens=200, env=None, timeout=None
+):
     chat = ChatFormat(char_tokenizer(template))
     sampler = TextPolicySampler(guess_policy, chat)
-    driver = RolloutDriver(
-        env or GuessEnv(), sampler, chat, DriverSettings(max_response_tokens=max_tokens, mode=mode)
-    )
+    settings = DriverSettings(max_response_tokens=max_tokens, mode=mode, env_timeout_s=timeout)
+    driver = RolloutDriver(env or GuessEnv(), sampler, chat, settings)
     specs = make_packs(pack_seeds("test", packs), tasks)
     return driver.run(specs, group), sampler
 
@@ -147,6 +148,23 @@ def test_environment_error_and_cut_responses_stay_in_their_episode():
         updates = [e for e in rollout.episodes if e.kind == "update"]
         assert all(e.turns[0].finish_reason == "length" for e in updates)
         assert all(e.reward == -0.1 for e in updates)  # a cut update has no hint block
+        assert all(e.info["cut"] for e in updates)
+
+
+def test_length_penalty_from_config():
+    """rollout.length_penalty is subtracted from an episode whose response was cut; the driver
+    settings come from the rollout config."""
+    from cod_fast.config import RolloutConfig
+
+    settings = DriverSettings.from_config(
+        RolloutConfig(max_response_tokens=1, length_penalty=0.5, env_timeout_s=None), "cod"
+    )
+    assert settings.max_response_tokens == 1 and settings.env_timeout_s is None
+    chat = ChatFormat(char_tokenizer(CHATML))
+    driver = RolloutDriver(GuessEnv(), TextPolicySampler(guess_policy, chat), chat, settings)
+    (rollout,) = driver.run(make_packs(pack_seeds("test", 1), 2), 1)
+    update = next(e for e in rollout.episodes if e.kind == "update")
+    assert update.reward == -0.1 - 0.5
 
 
 def test_task_by_task_advantages_assigned_per_task():
@@ -154,3 +172,15 @@ def test_task_by_task_advantages_assigned_per_task():
     rollouts, _ = run_guess(mode="task_by_task")
     assign_advantages(rollouts, AlgoConfig(algorithm="task_by_task", red_weight=False))
     assert all(e.advantage == 0.0 for r in rollouts for e in r.episodes)
+
+
+def test_hanging_environment_times_out_alone():
+    """An environment call that never returns is abandoned after env_timeout_s: its episodes
+    record a TimeoutError with reward 0, and the other packs finish normally."""
+    seeds = pack_seeds("test", 2)
+    rollouts, _ = run_guess(
+        env=GuessEnv(failing_pack_seed=seeds[0], failure="hang"), group=1, tasks=2, timeout=0.05
+    )
+    hung, healthy = rollouts
+    assert all("TimeoutError" in e.info["error"] for e in hung.episodes if e.kind == "solve")
+    assert hung.task_rewards == [0.0, 0.0] and healthy.task_rewards == [1.0, 1.0]

@@ -9,15 +9,17 @@ kept exactly as sampled; later turns of an episode append to them (see cod_fast.
 
 A failure stays with its own episode: a response cut at the length limit is recorded with its
 finish reason (and usually fails to parse, which the environment scores); an environment that
-raises ends that solve episode with reward `error_reward` and the error in `Episode.info`; the
-other runs go on.
+raises, or outlasts `env_timeout_s`, ends that solve episode with reward `error_reward` and the
+error in `Episode.info`; the other runs go on.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
+from cod_fast.config import RolloutConfig
 from cod_fast.envs.base import Environment, Task
 from cod_fast.envs.packs import PackSpec
 from cod_fast.records import Episode, Rollout, Turn
@@ -40,7 +42,27 @@ class DriverSettings:
     hint_penalty: float = 0.1
     mode: Literal["cod", "task_by_task"] = "cod"
     error_reward: float = 0.0
-    """Reward of a solve episode whose environment raised."""
+    """Reward of a solve episode whose environment raised or timed out."""
+    env_timeout_s: float | None = None
+    """Give up on an environment call after this long (None: wait). The call keeps running in a
+    daemon thread, since Python cannot stop it; the episode ends as an error."""
+    length_penalty: float = 0.0
+    """Subtracted from the reward of an episode with a response cut at the length limit."""
+
+    @classmethod
+    def from_config(
+        cls, rollout: RolloutConfig, mode: Literal["cod", "task_by_task"]
+    ) -> DriverSettings:
+        return cls(
+            max_response_tokens=rollout.max_response_tokens,
+            max_hint_tokens=rollout.max_hint_tokens,
+            min_hint_chars=rollout.min_hint_chars,
+            hint_penalty=rollout.hint_penalty,
+            mode=mode,
+            error_reward=rollout.env_error_reward,
+            env_timeout_s=rollout.env_timeout_s,
+            length_penalty=rollout.length_penalty,
+        )
 
 
 @dataclass
@@ -127,12 +149,33 @@ class RolloutDriver:
         )
 
     def _safe(self, run: _Run, call):
-        """Call into the environment; an exception ends this episode, not the rollout."""
-        try:
-            return call()
-        except Exception as exc:  # environment code is not ours to trust: record, go on
-            run.error = f"{type(exc).__name__}: {exc}"
+        """Call into the environment; an exception or a timeout ends this episode, not the
+        rollout."""
+        timeout = self.settings.env_timeout_s
+        if timeout is None:
+            try:
+                return call()
+            except Exception as exc:  # environment code is not ours to trust: record, go on
+                run.error = f"{type(exc).__name__}: {exc}"
+                return None
+        box: dict = {}
+
+        def target():
+            try:
+                box["value"] = call()
+            except Exception as exc:  # handed back to the driver's thread below
+                box["error"] = exc
+
+        worker = threading.Thread(target=target, daemon=True)
+        worker.start()
+        worker.join(timeout)
+        if worker.is_alive():
+            run.error = f"TimeoutError: the environment took longer than {timeout} s"
             return None
+        if "error" in box:
+            run.error = f"{type(box['error']).__name__}: {box['error']}"
+            return None
+        return box["value"]
 
     def _end_solve(self, run: _Run) -> None:
         task = run.task
@@ -184,6 +227,9 @@ class RolloutDriver:
         self._start_solve(run)
 
     def _episode(self, run: _Run, kind: str, reward: float, info: dict) -> Episode:
+        if any(turn.finish_reason == "length" for turn in run.turns):
+            reward -= self.settings.length_penalty
+            info["cut"] = True
         return Episode(
             pack_id=run.spec.pack_id,
             member=run.member,
