@@ -153,6 +153,21 @@ def bench_kernels(
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]
+
+
+def _print_positions(title: str, label: str, rows: dict) -> None:
+    """A table of mean reward per pack position and the CoD gain, one row per summary."""
+    table = Table(title=title)
+    table.add_column(label)
+    width = max((len(summary.mean_reward) for summary in rows.values()), default=0)
+    for k in range(width):
+        table.add_column(f"pos {k}", justify="right")
+    table.add_column("CoD gain", justify="right")
+    for name, summary in rows.items():
+        table.add_row(name, *(f"{x:.3f}" for x in summary.mean_reward), f"{summary.cod_gain:+.3f}")
+    Console().print(table)
+
+
 SizeOption = Annotated[str, typer.Option("--size", help="full (SPEC sizes) or tiny.")]
 
 
@@ -195,21 +210,18 @@ def envs_solve(
 
     environment = _make_env(env, setting, size)
     seeds = pack_seeds("eval" if setting == "eval" else "train", packs)
-    table = Table(title=f"{env} ({setting}, {size}): mean reward by pack position, {packs} packs")
-    table.add_column("agent")
-    for k in range(tasks):
-        table.add_column(f"pos {k}", justify="right")
-    table.add_column("CoD gain", justify="right")
     agents = (
         ("solver", environment.solver, True),
         ("explorer, hints", environment.explorer, True),
         ("explorer, no hints", environment.explorer, False),
     )
+    rows = {}
     for label, factory, use_hints in agents:
         results = [play_pack(environment, factory(), seed, tasks, use_hints) for seed in seeds]
-        summary = summarize([r.rewards for r in results], [r.successes for r in results])
-        table.add_row(label, *(f"{x:.3f}" for x in summary.mean_reward), f"{summary.cod_gain:+.3f}")
-    Console().print(table)
+        rows[label] = summarize([r.rewards for r in results], [r.successes for r in results])
+    _print_positions(
+        f"{env} ({setting}, {size}): mean reward by pack position, {packs} packs", "agent", rows
+    )
 
 
 @envs_app.command("play")
@@ -285,17 +297,12 @@ def eval_command(
         DriverSettings(max_response_tokens=max_response_tokens),
         out,
     )
-    table = Table(title=f"eval ({size}): mean reward by pack position, {packs} packs")
-    table.add_column("env / strategy")
-    for k in range(tasks):
-        table.add_column(f"pos {k}", justify="right")
-    table.add_column("CoD gain", justify="right")
-    for name, by_strategy in report["results"].items():
-        for strategy, row in by_strategy.items():
-            table.add_row(
-                f"{name} / {strategy}",
-                *(f"{x:.3f}" for x in row["mean_reward"]),
-                f"{row['cod_gain']:+.3f}",
-            )
-    Console().print(table)
+    rows = {
+        f"{name} / {strategy}": summary
+        for name, by_strategy in report["summaries"].items()
+        for strategy, summary in by_strategy.items()
+    }
+    _print_positions(
+        f"eval ({size}): mean reward by pack position, {packs} packs", "env / strategy", rows
+    )
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")

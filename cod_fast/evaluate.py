@@ -36,9 +36,11 @@ def evaluate(
     settings: DriverSettings,
     out_dir: str | Path | None = None,
 ) -> dict:
-    """Run every (environment, strategy) of the plan; returns (and writes) the results dict."""
+    """Run every (environment, strategy) of the plan; returns the report (written as JSON, with
+    a plot, when `out_dir` is given) and, under "summaries", the PositionSummary objects."""
     summaries: dict[str, PositionSummary] = {}
     results: dict[str, dict] = {}
+    by_env: dict[str, dict[str, PositionSummary]] = {}
     for name in plan.envs:
         env = make_env(name, plan.setting, plan.size)  # type: ignore[arg-type]
         driver = RolloutDriver(env, sampler, chat, settings)
@@ -46,6 +48,7 @@ def evaluate(
             packs = make_packs(pack_seeds("eval", plan.packs), plan.tasks, strategy)  # type: ignore[arg-type]
             summary = summarize_rollouts(driver.run(packs, group_size=1))
             summaries[f"{name}/{strategy}"] = summary
+            by_env.setdefault(name, {})[strategy] = summary
             results.setdefault(name, {})[strategy] = summary.to_dict()
     report = {
         "setting": plan.setting,
@@ -63,4 +66,4 @@ def evaluate(
         plot_positions(
             summaries, out / "eval.png", f"reward by pack position ({plan.setting}, {plan.size})"
         )
-    return report
+    return {**report, "summaries": by_env}
