@@ -111,25 +111,15 @@ def _rss_mib() -> float:
 
 
 def _reference_logp(hidden, weight, targets):
-    """Exact per-token log-probs, a vocabulary slice at a time (online log-sum-exp)."""
+    """Per-token log-probs by the library's chunked torch path, in chunks small enough that
+    this pre-pass never sets the memory peak."""
     import torch
 
-    n, vocab = hidden.shape[0], weight.shape[0]
-    cols = max(1, _REF_CHUNK_BYTES // (4 * max(n, 1)))
-    running_max = torch.full((n,), -math.inf, device=hidden.device)
-    sum_exp = torch.zeros(n, device=hidden.device)
-    target_logit = torch.zeros(n, device=hidden.device)
+    from cod_fast.ops import linear_logprobs
+
+    rows = max(1, _REF_CHUNK_BYTES // (4 * weight.shape[0]))
     with torch.no_grad():
-        for v0 in range(0, vocab, cols):
-            z = (hidden @ weight[v0 : v0 + cols].T).float()
-            new_max = torch.maximum(running_max, z.amax(1))
-            sum_exp = sum_exp * (running_max - new_max).exp() + (z - new_max[:, None]).exp().sum(1)
-            running_max = new_max
-            local = targets - v0
-            inside = (local >= 0) & (local < z.shape[1])
-            picked = z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None]).squeeze(1)
-            target_logit += torch.where(inside, picked, 0.0)
-    return target_logit - running_max - sum_exp.log()
+        return linear_logprobs(hidden, weight, targets, impl="torch", chunk_size=rows)
 
 
 @dataclass
