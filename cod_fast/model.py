@@ -2,9 +2,11 @@
 
 Training never computes the model's logits: `packed_hidden_states` runs the decoder only and the
 fused loss takes the hidden states of the trainable positions and the LM head weight (SPEC.md
-section 4). Packed sequences must not attend to each other (SPEC.md section 5); on this torch
-path that is a block-diagonal causal mask built from cu_seqlens (O(T^2) memory: fine for CPU-sized
-and moderate GPU micro-batches; the flash-attention varlen path is the trainer's).
+section 4). Packed sequences must not attend to each other (SPEC.md section 5): `load_policy`
+installs one of the varlen kernels of cod_fast.attention (flash-attn, torch's varlen_attn, or
+per-sequence SDPA on the CPU), which read cu_seqlens. A model with any other attention
+implementation gets a block-diagonal causal mask instead (O(T^2) memory: the reference the tests
+compare the kernels with).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+from cod_fast.attention import KERNELS, packed_attention_kwargs, resolve_attn_impl
 from cod_fast.config import ModelConfig
 from cod_fast.packing import MicroBatch
 from cod_fast.tokenizer import char_tokenizer
@@ -26,9 +29,10 @@ def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
-def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0):
-    """A Qwen3-architecture model from the config's sizes and a local character tokenizer."""
-    tokenizer = char_tokenizer()
+def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0, tokenizer=None):
+    """A Qwen3-architecture model from the config's sizes, for `tokenizer` (default: the local
+    character tokenizer)."""
+    tokenizer = tokenizer if tokenizer is not None else char_tokenizer()
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -42,25 +46,28 @@ def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
     )
-    config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
     return model, tokenizer
 
 
-def load_policy(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0):
-    """(model, tokenizer): the built-in tiny model, or any causal LM folder / hub id."""
+def load_policy(
+    cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, tokenizer=None
+):
+    """(model, tokenizer): the built-in tiny model (for `tokenizer`, default the character
+    tokenizer), or any causal LM folder / hub id with its own tokenizer."""
     device = torch.device(device)
     dtype = resolve_dtype(cfg, device)
     if cfg.name_or_path == BUILTIN_TINY:
-        model, tokenizer = build_tiny_qwen3(cfg, seed)
+        model, tokenizer = build_tiny_qwen3(cfg, seed, tokenizer)
         model = model.to(dtype)
     else:
         tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path)
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path, dtype=dtype, attn_implementation="sdpa"
         )
+    model.set_attn_implementation(KERNELS[resolve_attn_impl(cfg.attn_impl, device)])
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model.to(device), tokenizer
@@ -86,15 +93,19 @@ def block_causal_mask(
 def packed_hidden_states(model, mb: MicroBatch) -> torch.Tensor:
     """Final hidden states [T, H] of a packed micro-batch; sequences never see each other.
 
-    Recent transformers also infer packing from restarting position_ids when no cache is used;
-    the explicit mask keeps this correct whatever the version or attention implementation.
+    With a cod_fast.attention kernel the decoder attends per sequence from cu_seqlens; any other
+    attention implementation gets the explicit block-diagonal mask (recent transformers also
+    infer packing from restarting position_ids, but not every version or implementation does).
     """
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    if model.config._attn_implementation in KERNELS.values():
+        attention = packed_attention_kwargs(mb.cu_seqlens.to(param.device), mb.max_seqlen)
+    else:
+        attention = {"attention_mask": block_causal_mask(mb.cu_seqlens, param.dtype, param.device)}
     out = model.get_decoder()(
-        input_ids=mb.input_ids[None].to(device),
-        position_ids=mb.position_ids[None].to(device),
-        attention_mask=block_causal_mask(mb.cu_seqlens, dtype, device),
+        input_ids=mb.input_ids[None].to(param.device),
+        position_ids=mb.position_ids[None].to(param.device),
         use_cache=False,
+        **attention,
     )
     return out.last_hidden_state[0]

@@ -1,0 +1,155 @@
+"""Attention over packed micro-batches that never crosses a sequence boundary (SPEC.md section 5).
+
+A packed micro-batch is one row of T tokens holding several sequences; `cu_seqlens` marks where
+each starts. Three kernels compute the same causal, per-sequence attention, registered with
+transformers' `AttentionInterface` so that any Hugging Face decoder (Qwen3, Llama, ...) uses them
+unchanged:
+
+- `cod_flash_attn`: flash-attn's `flash_attn_varlen_func` (CUDA, the flash-attn package);
+- `cod_varlen_attn`: torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA; flash-attention
+  varlen without the flash-attn package);
+- `cod_sdpa`: one `scaled_dot_product_attention` per sequence (any device: the CPU path). Its
+  cost is sum_s L_s^2, where a block-diagonal mask over the whole row would cost T^2 time and
+  memory.
+
+They attend varlen only when the caller passes `cu_seq_lens_q` (see `packed_attention_kwargs`);
+without it (generation with a KV cache and a padding mask) they defer to transformers' SDPA with
+its usual mask, so one model serves both the trainer and the torch sampler.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import itertools
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+KERNELS = {"flash_attn": "cod_flash_attn", "varlen_attn": "cod_varlen_attn", "sdpa": "cod_sdpa"}
+
+
+def resolve_attn_impl(choice: str, device: torch.device) -> str:
+    """The kernel for ModelConfig.attn_impl on `device` (`auto`: the fastest that runs there)."""
+    if choice != "auto":
+        if choice in ("flash_attn", "varlen_attn") and device.type != "cuda":
+            raise ValueError(
+                f"model.attn_impl={choice!r} needs a CUDA device, got {device.type}; use 'sdpa' "
+                "or 'auto' on the CPU"
+            )
+        if choice == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+            raise ValueError(
+                "model.attn_impl='flash_attn' but flash-attn is not installed; install the "
+                "`gpu` extra, or use 'varlen_attn' (torch's own) or 'auto'"
+            )
+        return choice
+    if device.type == "cuda":
+        return "flash_attn" if importlib.util.find_spec("flash_attn") is not None else "varlen_attn"
+    return "sdpa"
+
+
+def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
+    """The keyword arguments that make a decoder forward attend per sequence (the names of
+    transformers' FlashAttentionKwargs, so its own flash-attention path reads them too).
+
+    `attention_mask` is an empty 4-D tensor: every transformers decoder takes a 4-D mask as
+    already prepared, so no [T, T] mask is built; the packed kernels never read it, and anything
+    else that did would fail on its shape instead of attending wrongly.
+    """
+    cu = cu_seqlens.to(torch.int32)
+    return {
+        "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=cu.device),
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_seqlen,
+        "max_length_k": max_seqlen,
+    }
+
+
+def _per_sequence_sdpa(q, k, v, cu_seqlens, scaling):
+    """[T, H, D] inputs; one causal SDPA call per sequence. The inputs are 4-D ([1, H, L, D]):
+    torch's fused CPU (flash) kernel takes only 4-D ones; 3-D inputs fall back to the math path,
+    which is ~3x slower and keeps the [H, L, L] probabilities for backward."""
+    bounds = cu_seqlens.tolist()
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for start, end in itertools.pairwise(bounds):
+        qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa
+        )
+        outs.append(out[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+@functools.cache
+def _varlen_options() -> tuple[bool, bool]:
+    """(takes is_causal, takes enable_gqa): the varlen_attn signature moved between torch 2.10
+    (is_causal=) and 2.13 (window_size=(-1, 0) for causal, enable_gqa=)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    return "is_causal" in params, "enable_gqa" in params
+
+
+def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling):
+    from torch.nn.attention.varlen import varlen_attn
+
+    takes_causal, takes_gqa = _varlen_options()
+    extra = {"is_causal": True} if takes_causal else {"window_size": (-1, 0)}
+    if q.shape[1] != k.shape[1]:
+        if takes_gqa:
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return varlen_attn(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, **extra
+    )
+
+
+def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
+    )
+
+
+def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention signature: query [B, Hq, T, D], key/value [B, Hkv, T, D] ->
+    ([B, T, Hq, D], None)."""
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"packed attention takes one row of packed sequences, got {query.shape[0]}"
+        )
+    if module.training and kwargs.get("dropout", 0.0):
+        raise ValueError("packed attention does not implement attention dropout; set it to 0")
+    if kwargs.get("sliding_window"):
+        raise ValueError(
+            "packed attention does not implement sliding-window layers; use model.attn_impl="
+            "'sdpa' with a model whose config disables the sliding window"
+        )
+    scaling = kwargs.get("scaling")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if kernel == "sdpa":
+        out = _per_sequence_sdpa(q, k, v, cu, scaling)
+    elif kernel == "varlen_attn":
+        out = _torch_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+    else:
+        out = _flash_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+    return out[None], None
+
+
+for _kernel, _name in KERNELS.items():
+    AttentionInterface.register(_name, functools.partial(_packed_forward, _kernel))
+    # Without cu_seqlens the kernels defer to SDPA, which needs SDPA's padding/causal mask.
+    AttentionMaskInterface.register(_name, sdpa_mask)

@@ -1,0 +1,64 @@
+"""The trainable policy as one module: a packed micro-batch in, the fused loss (or log-probs) out.
+
+`Policy.forward` runs the decoder over the packed micro-batch (cod_fast.model), keeps the hidden
+states of the trainable positions and hands them with the LM head weight (the embedding itself
+when tied) to the fused kernels of cod_fast.ops; the model's own logits are never computed.
+
+Why the loss lives inside a forward: under FSDP2 a sharded module's parameters are gathered by
+its forward pre-hook and their gradients reduce-scattered after backward. The LM head weight is
+used by the fused loss, not by the model's forward, so computing the loss inside this module's
+forward (the FSDP root) keeps that weight gathered exactly while the loss needs it. One code path
+serves one process and many.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from cod_fast.config import LossConfig
+from cod_fast.model import lm_head_weight, packed_hidden_states
+from cod_fast.ops import PolicyLossOutput, linear_logprobs, linear_policy_loss
+from cod_fast.packing import MicroBatch
+
+
+class Policy(torch.nn.Module):
+    """Wraps a Hugging Face causal LM; `impl` picks the kernel implementation (None: auto)."""
+
+    def __init__(self, model: torch.nn.Module, impl: str | None = None):
+        super().__init__()
+        self.model = model
+        self.impl = impl
+
+    def forward(
+        self,
+        mb: MicroBatch,
+        *,
+        config: LossConfig,
+        denominator: float | None = None,
+        mode: Literal["loss", "logprobs"] = "loss",
+    ) -> PolicyLossOutput | torch.Tensor:
+        """`loss`: the policy loss of the micro-batch (SPEC.md section 4) with the step's
+        `denominator`; `logprobs`: float32 log-probs [N] of its targets at the loss's temperature
+        (old-policy recompute, the reference model)."""
+        hidden = packed_hidden_states(self.model, mb)[mb.trainable_idx]
+        weight = lm_head_weight(self.model)
+        if mode == "logprobs":
+            return linear_logprobs(
+                hidden, weight, mb.targets, temperature=config.temperature, impl=self.impl
+            )
+        return linear_policy_loss(
+            hidden,
+            weight,
+            mb.targets,
+            mb.advantages,
+            mb.segment_ids,
+            old_logp=mb.old_logp,
+            rollout_logp=mb.rollout_logp,
+            ref_logp=mb.ref_logp,
+            teacher_logp=mb.teacher_logp,
+            config=config,
+            denominator=denominator,
+            impl=self.impl,
+        )
