@@ -39,12 +39,17 @@ class TextPolicySampler:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
         self.calls += 1
-        eos = self.chat.tokenizer.eos_token_id
-        out = []
-        for prompt, cap in zip(prompts, max_new_tokens, strict=True):
-            ids = self.chat.encode(self.policy(self.chat.decode(prompt)))
-            ids += [eos] if eos is not None else []
-            finish = "stop" if len(ids) <= cap else "length"
-            ids = ids[:cap]
-            out.append(Sample(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish))
-        return out
+        return [
+            text_sample(self.chat, self.policy(self.chat.decode(prompt)), cap)
+            for prompt, cap in zip(prompts, max_new_tokens, strict=True)
+        ]
+
+
+def text_sample(chat: ChatFormat, text: str, cap: int) -> Sample:
+    """`text` as a deterministic policy's response: encoded, ended by the tokenizer's EOS token
+    when it fits in `cap` tokens (else cut, finish reason `length`), log-probs 0."""
+    eos = chat.tokenizer.eos_token_id
+    ids = chat.encode(text) + ([eos] if eos is not None else [])
+    finish = "stop" if len(ids) <= cap else "length"
+    ids = ids[:cap]
+    return Sample(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish)

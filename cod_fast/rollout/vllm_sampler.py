@@ -111,6 +111,24 @@ class VLLMSampler:
         )
         return cls(llm, temperature=temperature, top_p=top_p, seed=seed)
 
+    def with_seed(self, seed: int, temperature: float | None = None) -> VLLMSampler:
+        """Another sampling stream over the same engine (the trainer's eval sampler)."""
+        return VLLMSampler(
+            self.engine,
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=self.top_p,
+            seed=seed,
+            sampling_params=self._params,
+            load_weights=self._load,
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the stream stands: request seeds derive from (seed, calls)."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
+
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
         self.calls += 1
         params = [

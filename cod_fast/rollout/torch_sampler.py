@@ -1,0 +1,308 @@
+"""The trainer's torch sampler: batched generation with a KV cache over any Hugging Face causal LM.
+
+For every sampled token it returns the log-prob under the distribution it was drawn from,
+vLLM's "processed" log-prob: float32 log_softmax(logits / T), then top-p filtered and
+renormalised. The logits are upcast before the division because the trainer computes float32
+log-probs of h W^T / T; with top_p = 1 the two are the same numbers up to the forward pass's own
+rounding, so the loss's importance ratios start at 1.
+
+How a call runs: prompts are sorted into length buckets, and each bucket is left-padded into one
+batch with a 2-D attention mask and positions counted from each row's first real token, then
+prefilled (logits of the last position only), so a 200-token prompt is never padded to 1000.
+The buckets' KV caches are then left-padded to one width and joined, and ONE decode loop runs
+for the whole call, one token per step, rows leaving the batch (and the cache) as soon as they
+stop or reach their own cap: a decode step costs about the same for 8 rows as for 64 (per-step
+overhead on a CPU, memory bandwidth on a GPU), so separate loops per bucket would multiply it.
+Randomness comes from the sampler's own generator, never the global RNG: the trainer's
+bit-for-bit resume depends on the global state, and `state_dict` lets a resumed run draw the
+same samples.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from cod_fast.rollout.sampler import Sample
+
+BUCKET_RATIO = 1.25
+"""A bucket's longest prompt is at most this many times its shortest: at most ~20% padding."""
+
+
+def length_buckets(
+    lengths: list[int], max_tokens: int, ratio: float = BUCKET_RATIO
+) -> list[list[int]]:
+    """Indices of `lengths` grouped into buckets of similar length, shortest first.
+
+    Greedy over the sorted lengths: a bucket takes the next prompt while the longest stays within
+    `ratio` times the shortest and the padded prefill (rows x longest) within `max_tokens`; a
+    prompt longer than `max_tokens` gets a bucket of its own.
+    """
+    buckets: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if buckets:
+            bucket = buckets[-1]
+            fits = lengths[i] <= ratio * lengths[bucket[0]]
+            if fits and (len(bucket) + 1) * lengths[i] <= max_tokens:
+                bucket.append(i)
+                continue
+        buckets.append([i])
+    return buckets
+
+
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[B, V] float32 log-probs of the sampling distribution: log_softmax(logits / T), then the
+    nucleus (the fewest most likely tokens whose mass reaches top_p; the top token always)
+    renormalised, every other token at -inf."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    sorted_logp, order = logp.sort(dim=-1, descending=True)
+    probs = sorted_logp.exp()
+    # A token stays when the mass strictly above it has not reached top_p yet: the first one
+    # always does (mass 0), and the last one kept is the one that reaches top_p.
+    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logp.masked_fill(drop, -math.inf).log_softmax(dim=-1)
+
+
+def _cache_keyword(model) -> str:
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns
+    until 5.40); 5.17 knows only `past_key_values`. The signature says which this model takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _stop_ids(model, tokenizer) -> frozenset[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids (Qwen lists several)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config = getattr(model, "generation_config", None)
+    extra = getattr(config, "eos_token_id", None)
+    if extra is not None:
+        ids.update(int(t) for t in ([extra] if isinstance(extra, int) else extra))
+    return frozenset(ids)
+
+
+class TorchSampler:
+    """`Sampler` over a Hugging Face causal LM in this process (see the module docstring)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+        max_batch_tokens: int = 65536,
+    ):
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise ValueError(
+                f"temperature must be a finite number > 0 (it divides the logits), got "
+                f"{temperature}; for near-greedy sampling use a small value such as 1e-3"
+            )
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables the nucleus), got {top_p}")
+        if max_batch_tokens < 1:
+            raise ValueError(
+                f"max_batch_tokens must be >= 1 (padded prefill tokens per batch), got "
+                f"{max_batch_tokens}"
+            )
+        self.model, self.tokenizer = model, tokenizer
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.seed, self.max_batch_tokens = seed, max_batch_tokens
+        self.stop_ids = _stop_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        # Padding is masked out, so any valid id will do.
+        self.pad_id = pad if pad is not None else min(self.stop_ids, default=0)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.calls = 0
+        self._cache_kw = _cache_keyword(model)
+
+    # --- checkpointing -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The call counter and the generator state (a CPU uint8 tensor, also for CUDA)."""
+        return {"calls": self.calls, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = int(state["calls"])
+        self.generator.set_state(state["generator"].cpu())
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
+        """One response per prompt, at most max_new_tokens[i] tokens for prompt i; a response
+        that samples a stop token ends with it (included), finish reason "stop"."""
+        self._check_inputs(prompts, max_new_tokens)
+        if not prompts:
+            return []
+        self.calls += 1
+        device = next(self.model.parameters()).device
+        if device != self.device:
+            raise ValueError(
+                f"the model moved from {self.device} to {device} after the sampler was built; "
+                "its generator lives on the old device: build the sampler after moving the model"
+            )
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                buckets = length_buckets([len(p) for p in prompts], self.max_batch_tokens)
+                prefilled = [self._prefill([prompts[i] for i in bucket]) for bucket in buckets]
+                order = [i for bucket in buckets for i in bucket]
+                samples = self._decode(*self._join(prefilled), [max_new_tokens[i] for i in order])
+        finally:
+            self.model.train(was_training)
+        out: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]
+        for i, sample in zip(order, samples, strict=True):
+            out[i] = sample
+        return out
+
+    def _check_inputs(self, prompts: list[list[int]], max_new_tokens: list[int]) -> None:
+        if len(prompts) != len(max_new_tokens):
+            raise ValueError(
+                f"max_new_tokens needs one cap per prompt: {len(prompts)} prompts, "
+                f"{len(max_new_tokens)} caps"
+            )
+        for i, (prompt, cap) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            if not isinstance(prompt, list) or not prompt:
+                raise ValueError(
+                    f"prompts[{i}] must be a non-empty list of token ids, got {prompt!r}"
+                )
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
+                raise ValueError(
+                    f"prompts[{i}] must hold ints in [0, {self.vocab_size}) (the model's "
+                    "vocabulary); encode text with the model's tokenizer"
+                )
+            if not isinstance(cap, int) or cap < 1:
+                raise ValueError(f"max_new_tokens[{i}] must be an int >= 1, got {cap!r}")
+
+    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
+        """[B, V] logits of each row's last position; the cache grows by ids.shape[1]."""
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: cache},
+        )
+        return out.logits[:, -1]
+
+    def _prefill(self, prompts: list[list[int]]):
+        """One left-padded batch through the model: (cache, last logits [B, V], mask [B, W],
+        next positions [B, 1])."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Every prompt's positions start at 0 whatever its padding (pads get 0, and are masked).
+        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)
+        return cache, logits, mask, positions[:, -1:] + 1
+
+    def _join(self, prefilled):
+        """The buckets' batches as one: caches and masks left-padded to the widest, stacked."""
+        if len(prefilled) == 1:
+            return prefilled[0]
+        width = max(mask.shape[1] for _, _, mask, _ in prefilled)
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(len(prefilled[0][0].layers)):
+            parts = [(c.layers[layer], width - m.shape[1]) for c, _, m, _ in prefilled]
+            keys = torch.cat([F.pad(kv.keys, (0, 0, pad, 0)) for kv, pad in parts])
+            values = torch.cat([F.pad(kv.values, (0, 0, pad, 0)) for kv, pad in parts])
+            cache.update(keys, values, layer)
+        logits = torch.cat([lg for _, lg, _, _ in prefilled])
+        mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, _, m, _ in prefilled])
+        next_pos = torch.cat([p for _, _, _, p in prefilled])
+        return cache, logits, mask, next_pos
+
+    def _decode(self, cache, logits, mask, next_pos, caps: list[int]) -> list[Sample]:
+        """Sample until every row stopped or reached its cap; finished rows leave the batch."""
+        tokens: list[list[int]] = [[] for _ in caps]
+        logps: list[list[float]] = [[] for _ in caps]
+        finish = ["length"] * len(caps)
+        rows = list(range(len(caps)))  # the prompt each live batch row belongs to
+        while True:
+            logp = processed_logprobs(logits, self.temperature, self.top_p)
+            tok = torch.multinomial(logp.exp(), 1, generator=self.generator)  # [B, 1]
+            picked = logp.gather(-1, tok)
+            keep = []
+            # One host sync per step: the stop test needs the tokens.
+            for j, (t, lp) in enumerate(
+                zip(tok[:, 0].tolist(), picked[:, 0].tolist(), strict=True)
+            ):
+                r = rows[j]
+                tokens[r].append(t)
+                logps[r].append(lp)
+                if t in self.stop_ids:
+                    finish[r] = "stop"
+                elif len(tokens[r]) < caps[r]:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                # Finished rows leave the batch: no more compute or cache for them.
+                idx = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(idx)
+                mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
+                rows = [rows[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            logits = self._forward(tok, mask, next_pos, cache)
+            next_pos = next_pos + 1
+        return [
+            Sample(token_ids=t, logprobs=lp, finish_reason=f)
+            for t, lp, f in zip(tokens, logps, finish, strict=True)
+        ]
+
+    # --- weights -------------------------------------------------------------------------------
+
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy full tensors into the sampler's model by name, in the given order; returns how
+        many were loaded. Every parameter and persistent buffer must come exactly once (a tied
+        weight under any of its names); an unknown name, a repeat or a shape mismatch raises
+        ValueError when it arrives (the tensors before it are already loaded), missing ones at
+        the end. Needed only when the sampler holds its own copy of the policy (e.g. under FSDP).
+        """
+        targets = dict(self.model.state_dict(keep_vars=True))
+        targets.update(self.model.named_buffers())  # non-persistent buffers: accepted, optional
+        required = {id(t): name for name, t in self.model.state_dict(keep_vars=True).items()}
+        seen: set[str] = set()
+        loaded: set[int] = set()
+        with torch.no_grad():
+            for name, tensor in named:
+                if name not in targets:
+                    raise ValueError(
+                        f"push_weights: {name!r} is not a parameter or buffer of the sampler's "
+                        "model; push names as model.named_parameters() spells them"
+                    )
+                if name in seen:
+                    raise ValueError(f"push_weights: {name!r} was given twice; push each once")
+                target = targets[name]
+                if target.shape != tensor.shape:
+                    raise ValueError(
+                        f"push_weights: {name!r} has shape {tuple(tensor.shape)}, the model's "
+                        f"is {tuple(target.shape)}; push full (gathered) tensors, not shards"
+                    )
+                target.data.copy_(tensor)
+                seen.add(name)
+                loaded.add(id(target))
+        missing = sorted(name for key, name in required.items() if key not in loaded)
+        if missing:
+            raise ValueError(f"push_weights: no tensor was given for {missing}")
+        return len(seen)
