@@ -1,0 +1,371 @@
+"""Several ranks as one trainer: process group and device mesh, FSDP2 sharding, full states.
+
+Under torchrun (WORLD_SIZE > 1) `init_distributed` joins the process group (NCCL on CUDA, gloo on
+the CPU) and builds the mesh FSDP2 shards over: 1-D ("shard",), or 2-D ("replicate", "shard")
+for HSDP. `shard_policy` wraps every decoder layer and then the `Policy` itself as the root, so
+the embeddings, final norm and LM head (tied or not) form the root group that `Policy.forward`
+gathers while the fused loss uses the LM head.
+
+Everything that leaves the trainer (sampler weight pushes, checkpoints, the KL reference) is a
+full, unsharded state under the Hugging Face parameter names, so one format serves one process
+and many, and a checkpoint written by N ranks resumes on M. The gathers are collectives: every
+rank calls these functions, only the main rank keeps the result. In one plain process (no
+process group) every function works unchanged, with no communication.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from cod_fast.policy import Policy
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the run; `init_distributed` makes it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh | None
+    """The FSDP mesh: ("shard",) or ("replicate", "shard"); None in one process."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device not in DEVICES:
+        raise ValueError(f"runtime.device must be one of {DEVICES}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "runtime.device is 'cuda' but no CUDA device is available; "
+            "set runtime.device to 'cpu' or 'auto'"
+        )
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return torch.device("cuda" if use_cuda else "cpu")
+
+
+def _mesh_layout(world_size: int, hsdp_replicate: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, dim names) of the FSDP mesh: plain FSDP, or HSDP's replicas of shard groups."""
+    if hsdp_replicate < 1 or world_size % hsdp_replicate:
+        raise ValueError(
+            f"runtime.hsdp_replicate={hsdp_replicate} must be >= 1 and divide the world "
+            f"size {world_size}"
+        )
+    if hsdp_replicate == 1:
+        return (world_size,), ("shard",)
+    return (hsdp_replicate, world_size // hsdp_replicate), ("replicate", "shard")
+
+
+def init_distributed(device: str = "auto", hsdp_replicate: int = 1) -> DistContext:
+    """This process's place in the run: under torchrun join the process group and build the
+    mesh; otherwise one process, no process group."""
+    dev = _resolve_device(device)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return DistContext(rank=0, world_size=1, local_rank=0, device=dev, mesh=None)
+    shape, names = _mesh_layout(world_size, hsdp_replicate)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type == "cuda":
+        # Before the process group: NCCL binds each rank to the current device.
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if dev.type == "cuda" else "gloo",
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
+    return DistContext(
+        rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh
+    )
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's block list (`layers` in Llama/Qwen, the one ModuleList child elsewhere)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return decoder.layers
+    lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: its decoder "
+            f"{type(decoder).__name__} has {len(lists)} ModuleList children, expected one"
+        )
+    return lists[0]
+
+
+def shard_policy(policy: Policy, ctx: DistContext, *, reshard_after_forward: bool = True) -> Policy:
+    """FSDP2 over ctx.mesh: one group per decoder layer, the rest in the root (the Policy); the
+    model's own dtype is kept and gradients are summed over ranks. One process: the policy
+    unchanged.
+
+    `reshard_after_forward` applies to the layers. The root keeps torch's default: it stays
+    gathered after its forward, since training's backward needs it at once; after a no-grad
+    forward it stays gathered until the next backward (the state functions here reshard first).
+    """
+    if not ctx.distributed:
+        return policy
+    for layer in _decoder_layers(policy.model):
+        fully_shard(layer, mesh=ctx.mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(policy, mesh=ctx.mesh)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            # Each rank's loss already carries the step's global denominator, so the rank
+            # losses add up to the batch loss and the gradients must be summed. FSDP's default
+            # averages them over the data-parallel ranks (right for a per-rank mean loss).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM, no PREMUL_SUM op
+    return policy
+
+
+def _reshard(policy: torch.nn.Module) -> None:
+    """Put every FSDP group back in its sharded state, so parameters are the DTensors that own
+    the storage (after a no-grad forward the root still holds gathered copies)."""
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def full_parameters(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) of every parameter, tied ones once, in named_parameters
+    order, gathered one at a time. Under FSDP every rank must exhaust it (each gather is a
+    collective); the tensors may share storage with the live parameters: read, don't write."""
+    _reshard(policy)
+    for name, param in policy.model.named_parameters():
+        yield name, _gathered(param)  # no local name: the previous tensor is the consumer's alone
+
+
+def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buf
+
+
+def _expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(_persistent_buffers(model))}
+
+
+def model_state(policy: Policy, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Full model state (parameters as in full_parameters, plus persistent buffers) as CPU
+    copies on the main rank; {} on the others, which still take part in the gathers."""
+    _reshard(policy)
+    state = {}
+    for name, tensor in _expected_tensors(policy.model).items():
+        full = _gathered(tensor)
+        if ctx.is_main:
+            state[name] = full.to("cpu", copy=True)  # a copy even on the CPU: never an alias
+    return state
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Second names of tied parameters -> the name named_parameters() keeps."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """Why `state` does not fit `model`, or None."""
+    expected = _expected_tensors(model)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(t.shape)}"
+        for k, t in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(t.shape)
+    ]
+    if not (missing or unexpected or wrong):
+        return None
+    aliases = _tied_aliases(model)
+    unexpected = [
+        f"{k} (tied to {aliases[k]}: a tied weight is kept once, under that name)"
+        if k in aliases
+        else k
+        for k in unexpected
+    ]
+    parts = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches (checkpoint vs model)", wrong),
+        )
+        if items
+    ]
+    return "the checkpoint does not fit this model: " + "; ".join(parts)
+
+
+def load_model_state(policy: Policy, state: dict[str, torch.Tensor], ctx: DistContext) -> None:
+    """Copy a full state (present on the main rank; others may pass {}) into the policy, in
+    place, so tied parameters stay one parameter. Strict: ValueError on every rank when keys or
+    shapes do not match, before anything is copied."""
+    _reshard(policy)
+    model = policy.model
+    problem = broadcast_object(_state_mismatch(model, state) if ctx.is_main else None, ctx)
+    if problem is not None:
+        raise ValueError(problem)
+    with torch.no_grad():
+        for name, target in _expected_tensors(model).items():
+            if ctx.is_main:
+                full = state[name].to(device=ctx.device, dtype=target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=ctx.device)
+            if ctx.distributed:
+                # Everyone gets the full tensor, then keeps its own chunk (no further
+                # communication, so any mesh, HSDP included, takes the same path).
+                dist.broadcast(full, src=0)
+            if isinstance(target, DTensor):
+                full = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=None
+                )
+            target.copy_(full)
+
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _own_copy(obj: Any, device: torch.device) -> Any:
+    """`obj` with copies of the tensors that may still be shared with an optimizer: all of them
+    on a CPU run (moving to the CPU copies nothing), scalars (AdamW's step, kept on the CPU and
+    updated in place) on any device. torch's optimizer state_dict and load_state_dict share
+    such tensors, so a state would change as training goes on, or change the caller's dict."""
+    if isinstance(obj, torch.Tensor):
+        if device.type == "cpu" or obj.numel() == 1:
+            return obj.detach().to("cpu", copy=True)
+        return obj
+    if isinstance(obj, dict):
+        return {k: _own_copy(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_own_copy(v, device) for v in obj)
+    return obj
+
+
+def optimizer_state(
+    policy: Policy, optimizer: torch.optim.Optimizer, ctx: DistContext
+) -> dict[str, Any]:
+    """The optimizer's full state keyed by Hugging Face parameter names (torch.distributed's
+    format in one process too, so N ranks resume on M), CPU copies on the main rank, {} on the
+    others. A never-stepped optimizer stays fresh and saves an empty "state"."""
+    _reshard(policy)
+    fresh = not optimizer.state
+    state = get_optimizer_state_dict(policy.model, optimizer, options=_FULL)
+    if fresh:
+        # torch initialises an empty optimizer with a zero-lr step (AdamW's step count 1);
+        # undo it, so saving changes nothing and a resumed run gets a fresh optimizer too.
+        optimizer.state.clear()
+        state["state"] = {}
+    return _own_copy(state, ctx.device) if ctx.is_main else {}
+
+
+def _optimizer_mismatch(model: torch.nn.Module, optimizer, state: dict[str, Any]) -> str | None:
+    """Why an optimizer state does not fit `optimizer` over `model`'s parameters, or None."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    expected = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    got = [list(g.get("params", [])) for g in state.get("param_groups", [])]
+    stray = sorted(set(state.get("state", ())) - set(names.values()))
+    if got == expected and not stray:
+        return None
+    foreign = sorted({n for g in got for n in g} - set(names.values()))
+    return (
+        "the optimizer checkpoint does not fit this model and optimizer: parameter groups of "
+        f"{[len(g) for g in got]} parameters, this optimizer has {[len(g) for g in expected]}; "
+        f"names this model does not have: {sorted({*foreign, *stray})}"
+    )
+
+
+def load_optimizer_state(
+    policy: Policy, optimizer: torch.optim.Optimizer, state: dict[str, Any], ctx: DistContext
+) -> None:
+    """The inverse of optimizer_state: a full state on the main rank (others may pass {}),
+    broadcast and sharded like the parameters. ValueError on every rank when it does not fit."""
+    _reshard(policy)
+    check = hyper = None
+    if ctx.is_main:
+        check = _optimizer_mismatch(policy.model, optimizer, state)
+        if check is None and not state.get("state"):  # saved before any step: hyperparameters
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
+    problem, hyper = broadcast_object((check, hyper), ctx)
+    if problem is not None:
+        raise ValueError(problem)
+    if hyper is not None:
+        # Not through torch's loader: it would first initialise the state with a zero-lr step.
+        optimizer.state.clear()
+        for group, saved in zip(optimizer.param_groups, hyper, strict=True):
+            group.update(saved)
+        return
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.distributed)
+    set_optimizer_state_dict(policy.model, optimizer, _own_copy(state, ctx.device), options=options)
+
+
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not ctx.distributed:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not ctx.distributed:
+        return obj
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_max(x: int, ctx: DistContext) -> int:
+    """The largest `x` over the ranks (a stop request on any rank stops them all)."""
+    if not ctx.distributed:
+        return int(x)
+    value = torch.tensor([int(x)], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value)
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait until every rank is here (no-op in one process)."""
+    if ctx.distributed:
+        dist.barrier(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Leave the process group (when this run made one)."""
+    if ctx.distributed and dist.is_initialized():
+        dist.destroy_process_group()
