@@ -95,7 +95,8 @@ GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda
 
 # 2. Tests (only the files present; pytest comes from .whl/ when the machine lacks it).
 TESTS=()
-for t in tests/test_triton_kernels.py tests/test_policy_loss.py; do
+for t in tests/test_triton_kernels.py tests/test_policy_loss.py tests/test_attention.py \
+    tests/test_torch_sampler.py; do
     [ -f "$t" ] && TESTS+=("$t")
 done
 if [ "$IMPORT_RC" -ne 0 ]; then
@@ -121,7 +122,7 @@ fi
 BENCH=()
 CSV_START=$(wc -l <"$OUT/kernels.csv" 2>/dev/null || echo 0)  # rows before this check's
 if [ "$IMPORT_RC" -eq 0 ]; then
-    for spec in h100:120 dense:50 cod-packed:55 wide-vocab:50; do
+    for spec in h100:100 dense:45 cod-packed:45 wide-vocab:45; do
         case_name=${spec%%:*}
         lim=$(limit "${spec##*:}")
         echo "== benchmark $case_name (limit $lim s)"
@@ -133,6 +134,17 @@ if [ "$IMPORT_RC" -eq 0 ]; then
         [ -f "$OUT/kernels.json" ] && mv "$OUT/kernels.json" "$OUT/kernels_$case_name.json"
         BENCH+=("$case_name:rc=$rc")
     done
+fi
+
+# 3b. One training step (fused loss vs logits + eager loss) of the 4-layer Qwen3-shaped model,
+# bf16 with torch's varlen attention (bench/train.py).
+TRAIN="train bench not run"
+if [ "$IMPORT_RC" -eq 0 ]; then
+    lim=$(limit 60)
+    echo "== benchmark train step (limit $lim s)"
+    timeout --kill-after=5 "$lim" python -m cod_fast.bench.train --sections step --reps 3 \
+        --warmup 1 --out "$OUT" 2>&1 | tee "$OUT/bench_train.log"
+    TRAIN="train bench rc=${PIPESTATUS[0]}"
 fi
 
 # 4. One-line summary from the CSV rows of this check.
@@ -156,4 +168,4 @@ for r in ok:
 print("; ".join(parts))
 EOF
 )
-echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${SUMMARY:-no CSV} | out ${OUT}"
+echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${SUMMARY:-no CSV} | out ${OUT}"

@@ -1,10 +1,12 @@
 """Atomic checkpoints and bit-for-bit resume (model in safetensors, optimizer, RNG, step, data).
 
-A checkpoint is written into a hidden temporary folder and renamed into place, and the `latest`
-pointer is replaced atomically after it, so an interruption at any moment leaves the previous
-checkpoint intact and loadable. Restoring sets the model and optimizer states and every random
-number generator the run uses (python, numpy, torch CPU and CUDA), so a resumed run on the CPU
-continues exactly as the uninterrupted one would have.
+A checkpoint is written into a hidden temporary folder, fsynced and renamed into place, and the
+`latest` pointer is replaced atomically after it, so an interruption at any moment leaves the
+previous checkpoint intact and loadable. The caller passes full (gathered) states, so one format
+serves one process and many (cod_fast.distributed gathers FSDP2 shards); per-rank state (random
+number generators, the sampler's generator) travels as one entry per rank. Restoring the RNG
+sets every generator the run uses (python, numpy, torch CPU and CUDA), so a resumed run on the
+CPU continues exactly as the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 
 LATEST = "latest"
 
@@ -31,7 +33,8 @@ class Checkpoint:
     extra: dict[str, Any]
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -42,7 +45,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -50,7 +53,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,31 +64,45 @@ def _fsync_dir(path: Path) -> None:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    *,
+    rank_states: list[dict[str, Any]] | None = None,
     extra: dict[str, Any] | None = None,
+    keep: int = 0,
 ) -> Path:
-    """Write checkpoint `step` under run_dir/checkpoints and point `latest` at it."""
+    """Write checkpoint `step` under run_dir/checkpoints and point `latest` at it.
+
+    `rank_states[r]` is rank r's own state (RNG, sampler); `extra` is JSON (data position, phase).
+    `keep` > 0 deletes all but the newest `keep` checkpoints afterwards.
+    """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:07d}"
     tmp = root / f".step-{step:07d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
+    # safetensors wants contiguous tensors that share no storage; the caller's state already
+    # holds each tied weight once.
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in model_state.items()},
+        tmp / "model.safetensors",
+    )
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    torch.save(rank_states or [rng_state()], tmp / "ranks.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, "extra": extra or {}}))
     for file in tmp.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
+        _fsync(file)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
     pointer = root / f".{LATEST}.tmp"
     pointer.write_text(final.name)
     pointer.replace(root / LATEST)
-    _fsync_dir(root)
+    _fsync(root)
+    if keep > 0:
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old)
     return final
 
 
@@ -99,15 +116,13 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     return Checkpoint(path=path, step=meta["step"], extra=meta["extra"])
 
 
-def restore_checkpoint(
-    ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """Load model, optimizer and RNG states in place."""
-    missing, unexpected = load_model(model, str(ckpt.path / "model.safetensors"))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {ckpt.path} does not fit this model: missing {missing}, "
-            f"unexpected {unexpected}; resume with the config it was written with"
-        )
-    optimizer.load_state_dict(torch.load(ckpt.path / "optimizer.pt", weights_only=False))
-    _set_rng_state(torch.load(ckpt.path / "rng.pt", weights_only=False))
+def read_model_state(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    return load_file(ckpt.path / "model.safetensors")
+
+
+def read_optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:
+    return torch.load(ckpt.path / "optimizer.pt", weights_only=False)
+
+
+def read_rank_states(ckpt: Checkpoint) -> list[dict[str, Any]]:
+    return torch.load(ckpt.path / "ranks.pt", weights_only=False)

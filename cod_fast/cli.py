@@ -27,7 +27,7 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Inspect the resolved configuration.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-bench_app = typer.Typer(help="Benchmark the kernels (cod_fast.bench).", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmark the kernels and a training step.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 envs_app = typer.Typer(help="List, play and solve the CoD environments.", no_args_is_help=True)
 app.add_typer(envs_app, name="envs")
@@ -120,12 +120,123 @@ def config_show(
 
 @app.command()
 def train(
-    preset: PresetOption = None, config_file: ConfigFileOption = None, overrides: SetOption = None
+    preset: PresetOption = None,
+    config_file: ConfigFileOption = None,
+    overrides: SetOption = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume", help="Continue the run in runtime.run_dir from its latest checkpoint."
+        ),
+    ] = False,
 ) -> None:
-    """Train a policy with the resolved config."""
+    """Train a policy: warm start (if configured), then CoD (or task-by-task) RL.
+
+    Without arguments: the tiny-cpu preset, a tiny model on the CPU. Ctrl-C finishes the step,
+    saves a checkpoint and exits; `--resume` continues from it.
+    """
     cfg = _resolve_config(preset, config_file, overrides)
-    typer.echo(dump_yaml(cfg), nl=False)
-    typer.echo("The training loop arrives with a later issue (issue 5: the trainer); nothing ran.")
+    from cod_fast.trainer import Trainer
+
+    console = Console()
+    try:
+        trainer = Trainer(cfg)
+        if trainer.ctx.is_main:
+            console.print(Text(dump_yaml(cfg)), highlight=False)
+            console.print(
+                f"run dir {cfg.runtime.run_dir}; device {trainer.device}; "
+                f"{trainer.ctx.world_size} process(es); sampler {trainer.sampler_kind}"
+            )
+        summary = _run_with_progress(trainer, resume, console)
+    except _run_errors() as e:
+        Console(stderr=True).print(
+            f"error: {e}", style="red", markup=False, highlight=False, soft_wrap=True
+        )
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        Console(stderr=True).print(
+            "interrupted (no checkpoint of the unfinished step)", style="red"
+        )
+        raise typer.Exit(130) from None
+    if trainer.ctx.is_main:
+        _print_summary(summary, console)
+    from cod_fast.distributed import shutdown
+
+    shutdown(trainer.ctx)
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    from cod_fast.train_step import NonFiniteError
+    from cod_fast.trainer import RunDirError
+
+    # What bad input raises (each message names the cause and the fix); the rest are bugs and
+    # keep their traceback. ValueError covers ConfigError and SequenceTooLongError.
+    return (ValueError, RunDirError, NonFiniteError, FileNotFoundError)
+
+
+def _run_with_progress(trainer, resume: bool, console: Console) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not trainer.ctx.is_main:
+        return trainer.run(resume)
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("training", total=trainer.total_steps, status="")
+
+        def on_step(record: dict) -> None:
+            rewards = " ".join(f"{x:.2f}" for x in record["reward_by_position"])
+            loss = record["loss"]
+            status = (
+                f"reward by position [{rewards}]  loss {loss:.4f}" if loss is not None else ""
+            ) + f"  {record['step_s']:.1f} s/step"
+            progress.update(
+                task, completed=record["step"], description=record["phase"], status=status
+            )
+
+        return trainer.run(resume, on_step)
+
+
+def _print_summary(summary: dict, console: Console) -> None:
+    """Every evaluation of the run (held-out packs), and how the run ended."""
+    evals = summary["evals"]
+    if evals:
+        width = max(len(e["mean_reward"]) for e in evals)
+        table = Table(title="held-out eval packs: mean reward by pack position")
+        for column in ("when", "step", *(f"pos {k}" for k in range(width)), "CoD gain"):
+            table.add_column(column, justify="left" if column == "when" else "right")
+        for e in evals:
+            table.add_row(
+                e["label"],
+                str(e["step"]),
+                *(f"{x:.3f}" for x in e["mean_reward"]),
+                f"{e['cod_gain']:+.3f}",
+            )
+        console.print(table)
+    state = "stopped early (resume with --resume)" if summary["stopped"] else "finished"
+    console.print(f"{state} at step {summary['steps']} in {summary['seconds']:.0f} s")
+
+
+@app.command("export")
+def export_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by `cod-fast train`.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the Hugging Face model.")],
+    step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).")] = None,
+) -> None:
+    """Write a run's checkpoint as a Hugging Face model folder (from_pretrained loads it)."""
+    from cod_fast.export import export_model
+
+    try:
+        ckpt = export_model(run_dir, out, step)
+    except (FileNotFoundError, ConfigError) as e:
+        Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote step {ckpt.step} of {run_dir} to {out}")
 
 
 @bench_app.command("kernels")
@@ -150,6 +261,30 @@ def bench_kernels(
 
     options = dict(cases=cases, impls=impls, reps=reps, warmup=warmup, scale=scale, out=out)
     kernels.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])
+
+
+@bench_app.command("train")
+def bench_train(
+    sections: Annotated[
+        str | None, typer.Option(help="Comma-separated sections (step, merge); default both.")
+    ] = None,
+    reps: Annotated[int | None, typer.Option(help="Timed steps (median, p20, p80).")] = None,
+    warmup: Annotated[int | None, typer.Option(help="Untimed steps before timing.")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Packed tokens of the step batch.")] = None,
+    packs: Annotated[int | None, typer.Option(help="Packs per environment (merge).")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the CSVs and train.json.")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="A tiny model and batch (smoke).")] = False,
+    jobs: Annotated[int | None, typer.Option(help="Step workers side by side (smoke).")] = None,
+) -> None:
+    """Time a training step (fused loss vs logits + eager) and count prefix merging's savings
+    (cod_fast.bench.train)."""
+    from cod_fast.bench import train
+
+    options = {"sections": sections, "reps": reps, "warmup": warmup, "tokens": tokens}
+    options |= {"packs": packs, "device": device, "out": out, "jobs": jobs}
+    argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
+    train.main(argv + ["--tiny"] * tiny)
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]
@@ -235,7 +370,7 @@ def envs_play(
     """Play a pack in the terminal: actions at the prompt, your own hints between tasks."""
     from cod_fast.envs.packs import pack_seeds
     from cod_fast.rollout.hints import context_line
-    from cod_fast.rollout.prompts import solve_system_prompt
+    from cod_fast.rollout.prompts import PROMPT_STYLES
 
     environment = _make_env(env, setting, size)
     (pack_seed,) = pack_seeds("play", 1, start=seed)
@@ -244,7 +379,9 @@ def envs_play(
     for k in range(tasks):
         task = environment.task(pack_seed, k)
         console.rule(f"task {k}")
-        console.print(Text(solve_system_prompt(task.prompt(), context_line(hints, k == 0))))
+        console.print(
+            Text(PROMPT_STYLES["full"].solve_system(task.prompt(), context_line(hints, k == 0)))
+        )
         observation = task.reset()
         for _ in range(task.max_steps):
             console.print(Text(observation), style="cyan")
@@ -281,12 +418,12 @@ def eval_command(
     from cod_fast.evaluate import EvalPlan, evaluate
     from cod_fast.rollout.chat import ChatFormat
     from cod_fast.rollout.driver import DriverSettings
-    from cod_fast.rollout.hf_sampler import HFGenerateSampler
+    from cod_fast.rollout.torch_sampler import TorchSampler
 
     _make_env(env, "eval", size)  # a clear error for a bad name before loading the model
     tokenizer = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model).eval()
-    sampler = HFGenerateSampler(policy, tokenizer, temperature=temperature, seed=seed)
+    sampler = TorchSampler(policy, tokenizer, temperature=temperature, seed=seed)
     envs = (env, *(name for name in ENVIRONMENTS if name != env)) if cross_domain else (env,)
     strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
     plan = EvalPlan(envs=envs, strategies=strategies, size=size, packs=packs, tasks=tasks)
@@ -306,3 +443,7 @@ def eval_command(
         f"eval ({size}): mean reward by pack position, {packs} packs", "env / strategy", rows
     )
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")
+
+
+if __name__ == "__main__":  # python -m cod_fast.cli (what torchrun -m runs)
+    app()

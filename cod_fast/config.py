@@ -170,10 +170,16 @@ class ModelConfig(_Config):
     """Builtin models only: attention heads; must divide hidden_size."""
     intermediate_size: int = 256
     """Builtin models only: width of the MLP."""
+    tokenizer: Literal["char", "bpe"] = "char"
+    """Builtin models only: one token per character, or a byte-pair vocabulary trained locally on
+    the scripted explorer's transcripts of the run's environment."""
+    vocab_size: int = 512
+    """Builtin models with the `bpe` tokenizer: the most tokens the vocabulary may have."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
+        self._at_least(128, "vocab_size")
         divisible = self.hidden_size % self.num_heads == 0
         self._require(divisible, "hidden_size", f"a multiple of num_heads={self.num_heads}")
 
@@ -212,12 +218,19 @@ class RolloutConfig(_Config):
     """Share of GPU memory vLLM may take; the trainer needs the rest."""
     eval_packs: int = 64
     """Packs rolled out per evaluation; 0 turns evaluation off."""
+    eval_setting: Literal["train", "eval"] = "eval"
+    """Rules of the held-out eval packs: the training distribution, or the harder eval setting."""
+    eval_temperature: float | None = None
+    """Sampling temperature of evaluations; null: the loss temperature (training's)."""
     length_penalty: float = 0.0
     """Subtracted from the reward of an episode with a response cut at max_response_tokens."""
     env_error_reward: float = 0.0
     """Reward of a solve episode whose environment raised or timed out."""
     env_timeout_s: float | None = 30.0
     """Give up on one environment call after this many seconds; null waits forever."""
+    prompt_style: Literal["full", "compact"] = "full"
+    """Wording of the solve and update prompts: `full` for LLMs, `compact` (same structure, fewest
+    words) for tiny models."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -228,6 +241,8 @@ class RolloutConfig(_Config):
         if self.env_timeout_s is not None:
             self._above(0, "env_timeout_s")
         self._require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        if self.eval_temperature is not None:
+            self._above(0, "eval_temperature")
         memory_ok = 0 < self.vllm_gpu_memory_utilization < 1
         self._require(memory_ok, "vllm_gpu_memory_utilization", "a number in (0, 1)")
 
@@ -281,16 +296,31 @@ class TrainConfig(_Config):
     """Maximum global gradient norm."""
     token_budget: int = 16384
     """Tokens per packed micro-batch; a longer sequence is an error."""
+    mini_batches: int = 1
+    """Optimizer steps per rollout batch: the batch is split into this many mini-batches of
+    whole episodes, each with its own step (the ratio to the sampler grows after the first)."""
     warm_start_steps: int = 0
     """Supervised steps on scripted demonstrations before RL; 0 skips the warm start."""
+    warm_start_lr: float = 1e-3
+    """Peak AdamW learning rate of the warm start."""
+    warm_start_schedule: Literal["constant", "cosine"] = "cosine"
+    """Warm-start learning rate after the warmup: constant, or a cosine down to 10% of the peak
+    at the last warm-start step."""
+    warm_start_warmup: int = 100
+    """Warm-start steps of linear learning-rate warmup."""
+    warm_start_packs: int = 16
+    """Demonstration packs per warm-start step (fresh ones every step)."""
+    max_skipped_steps: int = 3
+    """Consecutive steps with a NaN/inf loss or gradient (skipped, parameters unchanged) after
+    which the run stops."""
     seed: int = 0
     """Seed of the model init, the samplers and the pack seeds."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._at_least(0, "steps", "weight_decay", "warm_start_steps", "seed")
-        self._above(0, "lr", "grad_clip")
-        self._at_least(1, "token_budget")
+        self._at_least(0, "steps", "weight_decay", "warm_start_steps", "warm_start_warmup", "seed")
+        self._above(0, "lr", "grad_clip", "warm_start_lr")
+        self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")
 
 
 @dataclass(kw_only=True)
@@ -304,7 +334,12 @@ class RuntimeConfig(_Config):
     run_dir: str = "runs/latest"
     """Folder for the resolved config, logs and checkpoints."""
     checkpoint_every: int = 10
-    """Steps between checkpoints; 0 saves only at the end."""
+    """Steps between checkpoints (warm start and RL steps alike); 0 saves only at the end."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept; 0 keeps all."""
+    eval_every: int = 0
+    """RL steps between evaluations on held-out packs (besides before training, after the warm
+    start and at the end); 0: only those."""
     log_every: int = 1
     """Steps between log lines."""
     tensorboard: bool = False
@@ -314,7 +349,7 @@ class RuntimeConfig(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._at_least(0, "checkpoint_every")
+        self._at_least(0, "checkpoint_every", "keep_checkpoints", "eval_every")
         self._at_least(1, "log_every", "hsdp_replicate")
 
 
@@ -339,24 +374,35 @@ class Config(_Config):
 
 
 def _tiny_cpu() -> Config:
-    # Sized after shared/TINY-CPU-FACTS.md: 4-task packs, ~30-token responses, short hints.
+    # Sized after shared/TINY-CPU-FACTS.md: tiny FrozenLake, 4-task packs, a ~0.35M-parameter
+    # decoder with a BPE vocabulary trained on the environment's text, compact prompts, a warm
+    # start on scripted-explorer demonstrations, then CoD RL with one-side REC and RED-weight.
     return Config(
-        model=ModelConfig(dtype="float32"),
+        model=ModelConfig(dtype="float32", tokenizer="bpe", vocab_size=512),
         rollout=RolloutConfig(
             packs_per_step=4,
             group_size=8,
             tasks_per_pack=4,
-            max_response_tokens=32,
+            max_response_tokens=24,
             max_hint_tokens=16,
             sampler="torch",
-            eval_packs=32,
+            eval_packs=128,
+            eval_setting="train",
+            prompt_style="compact",
         ),
         algo=AlgoConfig(
             red_weight=True,
-            loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=32),
+            loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=24),
         ),
-        train=TrainConfig(steps=30, lr=3e-4, token_budget=4096, warm_start_steps=50),
-        runtime=RuntimeConfig(device="cpu", run_dir="runs/tiny-cpu", checkpoint_every=10),
+        train=TrainConfig(
+            steps=30,
+            lr=1e-4,
+            token_budget=8192,
+            warm_start_steps=4000,
+            warm_start_lr=3e-3,
+            warm_start_packs=4,
+        ),
+        runtime=RuntimeConfig(device="cpu", run_dir="runs/tiny-cpu", checkpoint_every=500),
     )
 
 

@@ -40,6 +40,8 @@ class GuessTask(Task):
 
     @property
     def reward(self) -> float:
+        if self.fail_on_step == "nan":
+            return float("nan")
         return 1.0 if self.solved else 0.0
 
     def feedback(self) -> str:

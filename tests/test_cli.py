@@ -69,13 +69,6 @@ def test_bad_preset_and_missing_equals_exit_2():
         assert result.stderr.startswith("error:")
 
 
-def test_train_prints_config_and_exits_0():
-    """`train` resolves and prints the config, says the loop is not there yet, and exits 0."""
-    result = runner.invoke(app, ["train", "--set", "train.steps=2"])
-    assert result.exit_code == 0, result.output
-    assert "steps: 2" in result.output and "issue 5" in result.output
-
-
 def test_train_bad_config_exits_2():
     """`train` shares the error handling of `config show`."""
     result = runner.invoke(app, ["train", "--set", "rollout.group_size=1"])

@@ -94,14 +94,14 @@ def test_every_map_has_a_safe_path_within_budget(size, setting):
 
 def test_train_eval_and_tiny_knobs():
     """SPEC section 6 sizes: full train 4-5 wide, 6 env / 8 agent steps, frozen probability
-    0.6-0.7; full eval 6-7 wide, 8 / 10 steps; tiny a 3x3 lake with one hole, a path of at most
-    4 moves and 5 steps; tiny eval is larger than tiny train."""
+    0.6-0.7; full eval 6-7 wide, 8 / 10 steps; tiny a 3x3 lake with one hole, the goal two moves
+    away and 3 steps; tiny eval is larger than tiny train."""
     full_train, full_eval = SHAPES[("full", "train")], SHAPES[("full", "eval")]
     assert (full_train.sides, full_train.path_moves, full_train.max_steps) == ((4, 5), 6, 8)
     assert (full_eval.sides, full_eval.path_moves, full_eval.max_steps) == ((6, 7), 8, 10)
     assert full_train.tile_prob == full_eval.tile_prob == (0.6, 0.7)
     tiny, tiny_eval = SHAPES[("tiny", "train")], SHAPES[("tiny", "eval")]
-    assert (tiny.sides, tiny.holes, tiny.path_moves, tiny.max_steps) == ((3,), 1, 4, 5)
+    assert (tiny.sides, tiny.holes, tiny.path_moves, tiny.max_steps) == ((3,), 1, 2, 3)
     assert tiny.compact and not full_train.compact
     assert min(tiny_eval.sides) > max(tiny.sides) and tiny_eval.max_steps > tiny.max_steps
     # The drawn frozen fraction of full train maps sits near 0.6-0.7 (start and goal excluded).

@@ -65,7 +65,7 @@ def test_cli_envs_list_and_solve():
 
 def test_cli_envs_play_reads_actions_and_hints():
     """`envs play` shows the task with its hints line and reads actions from the terminal."""
-    actions = "\n".join(["Direction 1"] * 5 + ["1=up"] + ["Direction 2"] * 5) + "\n"
+    actions = "\n".join(["Direction 1"] * 3 + ["1=up"] + ["Direction 2"] * 3) + "\n"
     result = CliRunner().invoke(app, ["envs", "play", "frozenlake", "--tasks", "2"], input=actions)
     assert result.exit_code == 0, result.output
     assert "Hints: null" in result.output and "Hints: 1=up" in result.output

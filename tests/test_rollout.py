@@ -184,3 +184,14 @@ def test_hanging_environment_times_out_alone():
     hung, healthy = rollouts
     assert all("TimeoutError" in e.info["error"] for e in hung.episodes if e.kind == "solve")
     assert hung.task_rewards == [0.0, 0.0] and healthy.task_rewards == [1.0, 1.0]
+
+
+def test_non_finite_reward_is_an_environment_error():
+    """An environment whose reward is NaN ends that episode as an environment error (reward
+    error_reward, the cause in info) instead of failing the rollout; other packs go on."""
+    seeds = pack_seeds("test", 2)
+    rollouts, _ = run_guess(env=GuessEnv(failing_pack_seed=seeds[0], failure="nan"), group=1)
+    bad, healthy = rollouts
+    solves = [e for e in bad.episodes if e.kind == "solve"]
+    assert all("non-finite reward nan" in e.info["error"] for e in solves)
+    assert bad.task_rewards == [0.0, 0.0, 0.0] and healthy.task_rewards == [1.0, 1.0, 1.0]

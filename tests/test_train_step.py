@@ -8,14 +8,30 @@ import pytest
 import torch
 
 from cod_fast import LossConfig
-from cod_fast.checkpoint import latest_checkpoint, restore_checkpoint, save_checkpoint
+from cod_fast.checkpoint import (
+    latest_checkpoint,
+    read_model_state,
+    read_optimizer_state,
+    read_rank_states,
+    save_checkpoint,
+    set_rng_state,
+)
 from cod_fast.config import ModelConfig
+from cod_fast.distributed import (
+    DistContext,
+    load_model_state,
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+)
 from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
 from cod_fast.packing import pack_microbatches, rollout_sequences, step_totals
+from cod_fast.policy import Policy
 from cod_fast.train_step import NonFiniteError, train_step
 from tests.test_layout_invariance import random_episode
 
+ONE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 KEEP_ALL = LossConfig(policy="rec_one_side", eps_low=0.99, eps_high=100.0)
 
@@ -30,7 +46,7 @@ def batch(seed: int, budget: int, world_size: int = 1):
 
 def fresh(seed=1):
     model, _ = load_policy(TINY, "cpu", seed=seed)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return Policy(model), torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def test_steps_reduce_the_loss_on_a_fixed_batch():
@@ -74,7 +90,13 @@ def run(model, opt, steps, run_dir=None, save_at=None):
         (mbs,), denominator = batch(seed, 4096)
         train_step(model, opt, mbs, denominator=denominator, config=KEEP_ALL, grad_clip=1.0)
         if save_at == step + 1:
-            save_checkpoint(run_dir, step + 1, model, opt, extra={"data_position": step + 1})
+            save_checkpoint(
+                run_dir,
+                step + 1,
+                model_state(model, ONE),
+                optimizer_state(model, opt, ONE),
+                extra={"data_position": step + 1},
+            )
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
@@ -91,18 +113,23 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path):
     resumed, opt2 = fresh(seed=7)
     ckpt = latest_checkpoint(tmp_path)
     assert ckpt.step == 2 and ckpt.extra == {"data_position": 2}
-    restore_checkpoint(ckpt, resumed, opt2)
+    load_model_state(resumed, read_model_state(ckpt), ONE)
+    load_optimizer_state(resumed, opt2, read_optimizer_state(ckpt), ONE)
+    set_rng_state(read_rank_states(ckpt)[0])
     run(resumed, opt2, 2)
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b), name
 
 
 def test_checkpoint_is_atomic_and_latest_moves(tmp_path):
-    """A later checkpoint replaces `latest`; a leftover temporary folder never counts."""
+    """A later checkpoint replaces `latest`; a leftover temporary folder never counts; `keep`
+    prunes older checkpoints."""
     model, opt = fresh()
-    save_checkpoint(tmp_path, 1, model, opt)
+    state, optim = model_state(model, ONE), optimizer_state(model, opt, ONE)
+    save_checkpoint(tmp_path, 1, state, optim)
     (tmp_path / "checkpoints" / ".step-0000002.tmp").mkdir()  # an interrupted write
     assert latest_checkpoint(tmp_path).step == 1
-    save_checkpoint(tmp_path, 3, model, opt)
+    save_checkpoint(tmp_path, 3, state, optim, keep=1)
     assert latest_checkpoint(tmp_path).step == 3
+    assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-0000003"]
     assert latest_checkpoint(tmp_path / "nothing") is None

@@ -10,11 +10,13 @@ kept exactly as sampled; later turns of an episode append to them (see cod_fast.
 A failure stays with its own episode: a response cut at the length limit is recorded with its
 finish reason (and usually fails to parse, which the environment scores); an environment that
 raises, or outlasts `env_timeout_s`, ends that solve episode with reward `error_reward` and the
-error in `Episode.info`; the other runs go on.
+error in `Episode.info` (a NaN or infinite reward counts as such an error); the other runs go
+on.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,12 +27,7 @@ from cod_fast.envs.packs import PackSpec
 from cod_fast.records import Episode, Rollout, Turn
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.hints import context_line, parse_hints
-from cod_fast.rollout.prompts import (
-    UPDATE_SYSTEM,
-    Trajectory,
-    solve_system_prompt,
-    update_user_prompt,
-)
+from cod_fast.rollout.prompts import PROMPT_STYLES, Trajectory
 from cod_fast.rollout.sampler import Sample, Sampler
 
 
@@ -48,6 +45,8 @@ class DriverSettings:
     daemon thread, since Python cannot stop it; the episode ends as an error."""
     length_penalty: float = 0.0
     """Subtracted from the reward of an episode with a response cut at the length limit."""
+    prompt_style: Literal["full", "compact"] = "full"
+    """The wording of the prompts (cod_fast.rollout.prompts); `compact` suits tiny models."""
 
     @classmethod
     def from_config(
@@ -62,17 +61,20 @@ class DriverSettings:
             error_reward=rollout.env_error_reward,
             env_timeout_s=rollout.env_timeout_s,
             length_penalty=rollout.length_penalty,
+            prompt_style=rollout.prompt_style,
         )
 
 
 @dataclass
-class _Run:
+class RunState:
     """One group member's way through one pack."""
 
     spec: PackSpec
     member: int
     position: int = 0
     hints: str | None = None
+    shown_hints: str | None = None
+    """The hints the current solve episode's prompt shows (None: `Hints: null`)."""
     phase: Literal["solve", "update", "done"] = "solve"
     task: Task | None = None
     prompt_ids: list[int] = field(default_factory=list)
@@ -88,17 +90,15 @@ class RolloutDriver:
         self, env: Environment, sampler: Sampler, chat: ChatFormat, settings: DriverSettings
     ):
         self.env, self.sampler, self.chat, self.settings = env, sampler, chat, settings
+        self.prompts = PROMPT_STYLES[settings.prompt_style]
 
     def run(self, packs: list[PackSpec], group_size: int) -> list[Rollout]:
         """Roll out every pack `group_size` times; one Rollout per (pack, member)."""
-        runs = [_Run(spec=spec, member=g) for spec in packs for g in range(group_size)]
+        runs = [RunState(spec=spec, member=g) for spec in packs for g in range(group_size)]
         for run in runs:
             self._start_solve(run)
         while live := [run for run in runs if run.phase != "done"]:
-            samples = self.sampler.generate(
-                [run.prompt_ids for run in live], [self.settings.max_response_tokens] * len(live)
-            )
-            for run, sample in zip(live, samples, strict=True):
+            for run, sample in zip(live, self._sample(live), strict=True):
                 self._advance(run, sample)
         return [
             Rollout(
@@ -110,20 +110,27 @@ class RolloutDriver:
             for run in runs
         ]
 
+    def _sample(self, live: list[RunState]) -> list[Sample]:
+        """One batched sampler call for the next response of every live run."""
+        return self.sampler.generate(
+            [run.prompt_ids for run in live], [self.settings.max_response_tokens] * len(live)
+        )
+
     # --- solve-task episodes -------------------------------------------------------------------
 
-    def _start_solve(self, run: _Run) -> None:
+    def _start_solve(self, run: RunState) -> None:
         run.task = self.env.task(run.spec.pack_seed, run.spec.task_indices[run.position])
         run.turns, run.steps, run.error = [], [], None
         first = run.position == 0 or self.settings.mode == "task_by_task"
-        system = solve_system_prompt(run.task.prompt(), context_line(run.hints, first))
+        run.shown_hints = None if first else run.hints
+        system = self.prompts.solve_system(run.task.prompt(), context_line(run.hints, first))
         observation = self._safe(run, run.task.reset)
         # A task that failed to start still gets one response (so the episode has a turn, and
         # the group keeps its shape); the error ends it right after.
         run.observation = observation if run.error is None else f"(environment error: {run.error})"
         run.prompt_ids = self.chat.first_prompt(system, run.observation)
 
-    def _advance(self, run: _Run, sample: Sample) -> None:
+    def _advance(self, run: RunState, sample: Sample) -> None:
         run.turns.append(
             Turn(
                 prompt_ids=run.prompt_ids,
@@ -148,7 +155,7 @@ class RolloutDriver:
             + self.chat.continuation(sample.token_ids, outcome.observation)
         )
 
-    def _safe(self, run: _Run, call):
+    def _safe(self, run: RunState, call):
         """Call into the environment; an exception or a timeout ends this episode, not the
         rollout."""
         timeout = self.settings.env_timeout_s
@@ -177,9 +184,14 @@ class RolloutDriver:
             return None
         return box["value"]
 
-    def _end_solve(self, run: _Run) -> None:
+    def _end_solve(self, run: RunState) -> None:
         task = run.task
-        reward = self.settings.error_reward if run.error else float(task.reward)
+        if run.error is None:
+            reward = self._safe(run, lambda: float(task.reward))
+            if run.error is None and not math.isfinite(reward):
+                run.error = f"ValueError: the environment gave a non-finite reward {reward}"
+        if run.error is not None:
+            reward = self.settings.error_reward
         info = {"task": run.spec.task_indices[run.position], "success": task.success}
         if run.error:
             info["error"] = run.error
@@ -195,7 +207,7 @@ class RolloutDriver:
 
     # --- update-context episodes ---------------------------------------------------------------
 
-    def _start_update(self, run: _Run, reward: float) -> None:
+    def _start_update(self, run: RunState, reward: float) -> None:
         feedback = run.error or self._safe(run, run.task.feedback) or ""
         traj = Trajectory(
             task_prompt=run.task.prompt(),
@@ -204,10 +216,12 @@ class RolloutDriver:
             reward=reward if self.env.reveals_reward else None,
         )
         context = context_line(run.hints, run.position == 0)
-        run.prompt_ids = self.chat.first_prompt(UPDATE_SYSTEM, update_user_prompt(context, traj))
+        run.prompt_ids = self.chat.first_prompt(
+            self.prompts.update_system, self.prompts.update_user(context, traj)
+        )
         run.turns, run.phase = [], "update"
 
-    def _end_update(self, run: _Run, sample: Sample) -> None:
+    def _end_update(self, run: RunState, sample: Sample) -> None:
         s = self.settings
         parsed = parse_hints(
             self.chat.decode(sample.token_ids),
@@ -226,7 +240,7 @@ class RolloutDriver:
         run.phase = "solve"
         self._start_solve(run)
 
-    def _episode(self, run: _Run, kind: str, reward: float, info: dict) -> Episode:
+    def _episode(self, run: RunState, kind: str, reward: float, info: dict) -> Episode:
         if any(turn.finish_reason == "length" for turn in run.turns):
             reward -= self.settings.length_penalty
             info["cut"] = True

@@ -46,6 +46,11 @@ def parse_hints(
     return ParsedHints(text=text.strip(), reward=0.0, truncated=cut)
 
 
+def hint_block(hints: str | None) -> str:
+    """An update answer that writes `hints` (an empty block for None: counts as missing)."""
+    return f"{HINT_START}\n{hints or ''}\n{HINT_END}"
+
+
 def context_line(hints: str | None, first_task: bool) -> str:
     """`Hints: null` before the first task, `Hints: <text>` after, or the no-hint line."""
     if first_task:

@@ -1,0 +1,600 @@
+"""Trainer benchmark: one training step (fused loss vs logits + eager loss), and prefix merging.
+
+    python -m cod_fast.bench.train [--sections step,merge] [--reps 5] [--warmup 1]
+        [--tokens 16384] [--packs 50] [--device auto|cpu|cuda] [--out DIR] [--tiny] [--jobs 1]
+
+1. `step`: one optimizer step of a Qwen3-architecture model (random weights, no download) over
+   a packed CoD-shaped batch: multi-turn solve episodes prefix-merged into one sequence each and
+   long-prompt update episodes, in 2-4 micro-batches. Two contenders, each in its own process:
+   - `fused`: what the trainer runs, `train_step` over `Policy`: the decoder without its LM
+     head, then the fused loss on the trainable hidden rows and the LM head weight (the C++
+     kernels on the CPU when built).
+   - `logits+eager`: what a plain PyTorch user writes: the causal LM's full [T, V] logits,
+     log_softmax, gather at the trainable positions, then `ops.policy_loss_from_logp`, the
+     library's vectorised loss on log-probs (the `torch` implementation's head, which the tests
+     check against the float64 oracle), so the contenders differ only in where the log-probs
+     come from. Not `ops.eager.eager_policy_loss`: that oracle loops over segments (and for REC
+     over tokens) in Python, and timing it would time the interpreter.
+   Same packed attention (cod_fast.attention), batch, initial weights, global denominator, clip
+   and AdamW: the first step's loss and gradient norm must agree, which checks the benchmark.
+   Peak memory is the growth over a baseline taken before the model and the batch exist (after
+   one tiny step that puts imports and thread pools behind it), so for both contenders it holds
+   the weights, their gradients and AdamW's state (`static MiB`, also shown alone) plus the step.
+   The rate is the step's useful work (6 x decoder weights x T, causal attention per sequence,
+   the LM head on the trainable rows only) per median second, against the GEMM ceiling measured
+   in the same worker (kernels.measure_ceiling: fp32 on the CPU, bf16 on a GPU).
+2. `merge`: trainer tokens per CoD rollout with prefix merging (one sequence per multi-turn
+   episode) vs one sequence per turn, for the scripted explorer run through the real rollout
+   driver on every environment; also sum(len^2) over sequences, the attention cost.
+
+Output: tables, DIR/train_step.csv and DIR/prefix_merge.csv (rows appended), DIR/train.json, and
+as the last line on stdout one JSON object with everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from cod_fast.bench.kernels import (
+    _fmt,
+    _git_commit,
+    _machine,
+    _percentile,
+    _rss_mib,
+    _timed,
+    measure_ceiling,
+)
+from cod_fast.config import LossConfig
+from cod_fast.envs import ENVIRONMENTS
+
+CONTENDERS = ("fused", "logits+eager")
+LOSS = LossConfig(policy="rec_one_side", eps_high=0.28)  # the CoD runs' loss
+GRAD_CLIP, LR, SEED, K = 1.0, 1e-5, 1234, 4  # K: tasks per pack, in both sections
+TARGETS = {"speed": 1.5, "memory": 3.0}  # the issue's CPU targets, fused vs logits+eager
+AGREE_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}  # bf16: HF rounds the logits to bf16
+# Every registered environment at its SPEC size, and FrozenLake's tiny size (the CPU presets').
+MERGE_ENVS = (*((name, "full") for name in ENVIRONMENTS), ("frozenlake", "tiny"))
+META = ("timestamp", "commit", "machine", "torch", "transformers")
+# Columns of the CSVs, and of the tables where they have a header: (key, header, format).
+# fmt: off
+STEP_TABLE = (
+    ("contender", "contender", ""), ("impl", "impl", ""), ("dtype", "dtype", ""),
+    ("model", None, ""), ("device", None, ""), ("tokens", None, ""), ("trainable", None, ""),
+    ("sequences", None, ""), ("segments", None, ""), ("micro_batches", None, ""),
+    ("median_s", "median s", ".3f"), ("p20_s", "p20 s", ".3f"), ("p80_s", "p80 s", ".3f"),
+    ("peak_mib", "peak MiB", ".0f"), ("static_mib", "static MiB", ".0f"),
+    ("tokens_per_s", "tokens/s", ".0f"), ("gflops", "GFLOP/s", ".1f"),
+    ("ceiling_gflops", "ceil GFLOP/s", ".1f"), ("frac_ceiling", "frac ceil", ".3f"),
+    ("speedup", "x speed", ".2f"), ("mem_ratio", "x memory", ".2f"),
+    ("others_cpu", "others' CPU", ".0%"),
+    ("loss0", "loss step 0", ".7g"), ("grad_norm0", "grad norm 0", ".7g"), ("note", "note", ""),
+)
+MERGE_TABLE = (
+    ("env", "env", ""), ("size", "size", ""), ("packs", None, ""), ("K", None, ""),
+    ("rollouts", None, ""), ("mean_solve_turns", "turns/solve", ".2f"),
+    ("merged_tokens", None, ""), ("per_turn_tokens", None, ""),
+    ("merged_per_rollout", "tokens/rollout merged", ".0f"),
+    ("per_turn_per_rollout", "per turn", ".0f"), ("token_ratio", "x tokens", ".2f"),
+    ("merged_attn", "sum len^2 merged", ".3g"), ("per_turn_attn", "per turn", ".3g"),
+    ("attn_ratio", "x attention", ".2f"), ("note", "note", ""),
+)
+# fmt: on
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The model and the batch of the step benchmark."""
+
+    layers: int = 4
+    hidden: int = 512
+    heads: int = 8
+    kv_heads: int = 4  # GQA, as in every Qwen3 model
+    head_dim: int = 64
+    intermediate: int = 1536
+    vocab: int = 32768
+    tokens: int = 16384
+    """Packed tokens of the step; episode lengths shrink with it below 16384."""
+    micro_batches: int = 3
+
+    def describe(self) -> str:
+        return (
+            f"Qwen3 {self.layers}L H{self.hidden} {self.heads}q/{self.kv_heads}kv heads "
+            f"d{self.head_dim} I{self.intermediate} V{self.vocab} tied"
+        )
+
+
+TINY = StepShape(  # the smoke test's: seconds, not a measurement
+    layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=512, tokens=512
+)
+
+
+# --------------------------------------------------------------------------------------------
+# The step: batch, model, and the two contenders.
+
+
+def cod_episodes(shape: StepShape, seed: int = SEED) -> list:
+    """CoD rollouts of random token ids, episodes added while they fit in `shape.tokens`: per
+    pack, K solve episodes (a prompt, four short responses, an observation after each) and
+    between them K-1 update episodes (a long prompt holding the transcript, one response)."""
+    from cod_fast.records import Episode, Turn
+
+    rng = random.Random(seed)
+    scale = min(1.0, shape.tokens / 16384)
+    order = [(kind, k) for k in range(K) for kind in ("solve", "update")][:-1]
+
+    def ids(mean: int) -> list[int]:
+        n = max(1, round(mean * scale * rng.uniform(0.8, 1.2)))
+        return [rng.randrange(shape.vocab) for _ in range(n)]
+
+    def episode(pack: int, kind: str, k: int) -> Episode:
+        solve = kind == "solve"
+        prompt, turns = ids(250 if solve else 1200), []
+        for _ in range(4 if solve else 1):
+            response = ids(100 if solve else 200)
+            logp = [0.0] * len(response)  # set from the model by set_rollout_logp
+            turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=logp))
+            prompt = prompt + response + ids(50)  # turns only append: one merged sequence
+        advantage = rng.gauss(0, 1)
+        return Episode(
+            pack_id=pack,
+            member=0,
+            kind=kind,
+            task_index=k,
+            turns=turns,
+            reward=0.0,
+            advantage=advantage,
+        )
+
+    episodes, total, pack = [], 0, 0
+    while True:
+        for kind, k in order:
+            ep = episode(pack, kind, k)
+            total += len(ep.turns[-1].prompt_ids) + len(ep.turns[-1].response_ids)
+            if total > shape.tokens:
+                return episodes
+            episodes.append(ep)
+        pack += 1
+
+
+def step_batch(shape: StepShape):
+    """(micro-batches, denominator, stats) of the step, packed as the trainer packs."""
+    from cod_fast.ops import aggregation_denominator
+    from cod_fast.packing import pack_microbatches, rollout_sequences, step_totals
+
+    seqs = rollout_sequences(cod_episodes(shape))
+    lengths = [len(s) for s in seqs]
+    budget = max(math.ceil(1.15 * sum(lengths) / shape.micro_batches), max(lengths))
+    (mbs,) = pack_microbatches(seqs, budget, 1)
+    trainable, segments = step_totals([mbs])
+    stats = {"tokens": sum(lengths), "trainable": trainable, "sequences": len(seqs)}
+    stats |= {"segments": segments, "micro_batches": len(mbs)}
+    stats["attn_pairs"] = sum(n * n for n in lengths)
+    return mbs, aggregation_denominator(LOSS, trainable, segments), stats
+
+
+def build_model(shape: StepShape, device, dtype):
+    """A seeded Qwen3ForCausalLM from a config, with cod-fast's packed attention for `device`."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from cod_fast.attention import KERNELS, resolve_attn_impl
+
+    config = Qwen3Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = Qwen3ForCausalLM(config)
+    model.set_attn_implementation(KERNELS[resolve_attn_impl("auto", device)])
+    return model.to(device=device, dtype=dtype)
+
+
+def set_rollout_logp(model, mbs, device) -> None:
+    """Sampler log-probs near the initial policy's (0.1 nats of noise), as the trainer's
+    recompute would see them: the REC mask drops a few tokens and keeps the rest."""
+    import torch
+
+    from cod_fast.policy import Policy
+
+    g, policy = torch.Generator().manual_seed(SEED), Policy(model)
+    with torch.no_grad():
+        for mb in mbs:
+            logp = policy(mb.to(device), config=LOSS, mode="logprobs").float().cpu()
+            mb.rollout_logp = logp + 0.1 * torch.randn(logp.shape, generator=g)
+
+
+def logits_eager_step(model, optimizer, microbatches, *, denominator, config, grad_clip):
+    """`train_step` the plain way: full logits, log_softmax, gather, the loss on log-probs."""
+    import torch
+
+    from cod_fast.attention import packed_attention_kwargs
+    from cod_fast.ops import policy_loss_from_logp
+
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    total = 0.0
+    for mb in microbatches:
+        mb = mb.to(device)
+        out = model(
+            input_ids=mb.input_ids[None],
+            position_ids=mb.position_ids[None],
+            use_cache=False,
+            **packed_attention_kwargs(mb.cu_seqlens, mb.max_seqlen),
+        )
+        # A float32 log_softmax, as RL libraries do for bf16 models; `del` so that no name
+        # keeps a [T, V] tensor alive through the backward beyond what autograd saves.
+        log_probs = torch.log_softmax(out.logits[0].float() / config.temperature, dim=-1)
+        del out
+        loss, _ = policy_loss_from_logp(
+            log_probs[mb.trainable_idx, mb.targets],
+            mb.advantages,
+            mb.segment_ids,
+            config=config,
+            old_logp=mb.old_logp,
+            rollout_logp=mb.rollout_logp,
+            denominator=denominator,
+        )
+        del log_probs
+        loss.backward()
+        total += float(loss.detach())
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+    optimizer.step()
+    return total, norm
+
+
+def make_step(contender: str, model, mbs, denominator: float):
+    """(step, optimizer): step() runs one optimizer step and returns (loss, grad norm)."""
+    import torch
+
+    from cod_fast.policy import Policy
+    from cod_fast.train_step import train_step
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    kwargs = dict(denominator=denominator, config=LOSS, grad_clip=GRAD_CLIP)
+    if contender == "fused":
+        policy = Policy(model)
+
+        def step():
+            result = train_step(policy, optimizer, mbs, **kwargs)
+            return result.loss, result.grad_norm
+
+        return step, optimizer
+    return (lambda: logits_eager_step(model, optimizer, mbs, **kwargs)), optimizer
+
+
+def _useful_flops(model, shape: StepShape, stats: dict) -> float:
+    """Forward + backward of the decoder's GEMMs over every token, causal attention per
+    sequence, and the LM head on the trainable rows only: the work the step must do."""
+    import torch
+
+    linears = (m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    decoder = sum(m.weight.numel() for m in linears)
+    attention = shape.layers * shape.heads * shape.head_dim * stats["attn_pairs"]
+    head = stats["trainable"] * shape.hidden * shape.vocab
+    return 6 * (decoder * stats["tokens"] + attention + head)
+
+
+def _busy_cpu_s() -> float | None:
+    """CPU seconds every process on this machine has used (Linux /proc/stat; else None)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = f.readline().split()[1:9]
+    except (OSError, ValueError):
+        return None
+    ticks = sum(int(x) for x in (user, nice, system, irq, softirq, steal))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _setup(contender: str, shape: StepShape, device, dtype):
+    """(model, optimizer, step, batch stats) of one contender, ready to time."""
+    model = build_model(shape, device, dtype)
+    mbs, denominator, stats = step_batch(shape)
+    set_rollout_logp(model, mbs, device)
+    step, optimizer = make_step(contender, model, mbs, denominator)
+    return model, optimizer, step, stats
+
+
+def _step_worker(spec: dict) -> dict:
+    """One contender in this process: time its steps, read its peak, then the ceiling."""
+    import torch
+
+    from cod_fast.ops.dispatch import resolve_impl
+
+    device = torch.device(spec["device"])
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = StepShape(**spec["shape"])
+    # One tiny step first puts extension loading, thread pools and cuBLAS handles behind the
+    # baseline, which is then taken before this run's model and batch exist.
+    _setup(spec["contender"], replace(TINY, tokens=256), device, dtype)[2]()
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mib()
+    model, optimizer, step, stats = _setup(spec["contender"], shape, device, dtype)
+    results: list[tuple[float, float]] = []
+    # What the machine's other processes took while we were timed: this benchmark's numbers
+    # only mean something when that share is small.
+    busy, own, wall = _busy_cpu_s(), sum(os.times()[:2]), time.perf_counter()
+    times = sorted(_timed(lambda: results.append(step()), spec["reps"], spec["warmup"], cuda))
+    others_cpu = None
+    if busy is not None:
+        others = _busy_cpu_s() - busy - (sum(os.times()[:2]) - own)
+        capacity = (time.perf_counter() - wall) * (os.cpu_count() or 1)
+        others_cpu = min(1.0, max(0.0, others) / capacity)  # clock ticks: +-10 ms each
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mib()) - base
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
+    median, flops = statistics.median(times), _useful_flops(model, shape, stats)
+    ceiling = measure_ceiling()  # after the peak was read: the same moment, the same process
+    if spec["contender"] == "fused":
+        impl = f"{resolve_impl(None, device, dtype)[0]} fused loss"
+    else:
+        impl = "torch logits"
+    return {
+        "status": "ok",
+        **stats,
+        "impl": f"{impl}, {model.config._attn_implementation}",
+        "dtype": str(dtype).removeprefix("torch."),
+        "times_s": times,
+        "median_s": median,
+        "p20_s": _percentile(times, 0.2),
+        "p80_s": _percentile(times, 0.8),
+        "peak_mib": peak,
+        "static_mib": (2 * weights + state) / 2**20,  # weights, their gradients, AdamW state
+        "tokens_per_s": stats["tokens"] / median,
+        "gflops": flops / median / 1e9,
+        "ceiling_gflops": ceiling["gflops"],
+        "ceiling_kind": ceiling["kind"],
+        "frac_ceiling": flops / median / 1e9 / ceiling["gflops"],
+        "others_cpu": others_cpu,  # fraction of all cores other processes used meanwhile
+        "losses": [loss for loss, _ in results],
+        "loss0": results[0][0],  # the first step, from the shared initial weights
+        "grad_norm0": results[0][1],
+    }
+
+
+def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
+    """One contender in a fresh process; a failure keeps its output in log_dir."""
+    env = dict(os.environ)
+    if spec["device"] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # so the worker's ceiling and timer are the CPU's too
+    cmd = [sys.executable, "-m", "cod_fast.bench.train", "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": f"failed: timed out after {timeout:.0f} s"}
+    if proc.returncode == 0 and proc.stdout.strip():
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"train_step__{spec['contender']}.log"
+    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    return {"status": f"failed: {last[:300]} (log: {log})"}
+
+
+def run_step(shape: StepShape, args, progress) -> dict:
+    """Both contenders, one process each, then their ratios, agreement and the targets."""
+    stats = step_batch(shape)[2]
+    progress.print(
+        f"step batch: {stats['tokens']} tokens, {stats['trainable']} trainable "
+        f"({stats['trainable'] / stats['tokens']:.0%}), {stats['sequences']} sequences, "
+        f"{stats['segments']} segments, {stats['micro_batches']} micro-batches",
+        highlight=False,
+    )
+    specs = [
+        {"contender": contender, "shape": asdict(shape), "device": args.device}
+        | {"reps": args.reps, "warmup": args.warmup}
+        for contender in CONTENDERS
+    ]
+    # One at a time unless --jobs says otherwise (a smoke test's timings mean nothing).
+    with progress.status(f"step: {', '.join(CONTENDERS)}"), ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda spec: _run_worker(spec, args.timeout, args.out), specs))
+    rows = []
+    for contender, result in zip(CONTENDERS, results, strict=True):
+        rows.append({"contender": contender, "model": shape.describe(), "device": args.device})
+        rows[-1] |= result | {"note": "" if result["status"] == "ok" else result["status"]}
+        progress.print(f"step / {contender}: {result['status']}", markup=False, highlight=False)
+    section = {"model": shape.describe(), "shape": asdict(shape), "batch": stats, "rows": rows}
+    fused, eager = rows
+    if fused["status"] != "ok" or eager["status"] != "ok":
+        return section
+    for r in rows:
+        r["speedup"] = eager["median_s"] / r["median_s"]
+        r["mem_ratio"] = eager["peak_mib"] / r["peak_mib"] if r["peak_mib"] > 0 else None
+    rtol = AGREE_RTOL[fused["dtype"]]
+    keys = ("loss0", "grad_norm0")
+    section["agree_rtol"] = rtol
+    section["losses_agree"] = all(math.isclose(fused[k], eager[k], rel_tol=rtol) for k in keys)
+    step_only = [r["peak_mib"] - r["static_mib"] for r in (eager, fused)]
+    section["mem_ratio_without_static"] = step_only[0] / step_only[1] if step_only[1] > 0 else None
+    measured = {"speed": fused["speedup"], "memory": fused["mem_ratio"]}
+    section["targets"] = {
+        name: {"target": t, "measured": measured[name], "met": (measured[name] or 0) >= t}
+        for name, t in TARGETS.items()
+    }
+    return section
+
+
+# --------------------------------------------------------------------------------------------
+# Prefix merging on the environments' scripted rollouts.
+
+
+def run_merge(packs: int) -> list[dict]:
+    """Trainer tokens of the scripted explorer's rollouts, merged vs one sequence per turn."""
+    from cod_fast.envs import make_env
+    from cod_fast.envs.packs import make_packs, pack_seeds
+    from cod_fast.packing import rollout_sequences
+    from cod_fast.rollout.chat import ChatFormat
+    from cod_fast.rollout.driver import DriverSettings
+    from cod_fast.tokenizer import CHATML, char_tokenizer
+    from cod_fast.warmstart import demonstrations
+
+    chat, settings = ChatFormat(char_tokenizer(CHATML)), DriverSettings(prompt_style="full")
+    specs = make_packs(pack_seeds("bench", packs), K)
+    rows = []
+    for name, size in MERGE_ENVS:
+        rollouts = demonstrations(make_env(name, "train", size), chat, settings, specs)
+        episodes = [e for r in rollouts for e in r.episodes]
+        turns = [len(e.turns) for e in episodes if e.kind == "solve"]
+        merged, per_turn = (rollout_sequences(episodes, merge_prefix=m) for m in (True, False))
+        tokens = [sum(len(s) for s in seqs) for seqs in (merged, per_turn)]
+        attn = [sum(len(s) ** 2 for s in seqs) for seqs in (merged, per_turn)]
+        rows.append(
+            {"env": name, "size": size, "packs": packs, "K": K, "rollouts": len(rollouts)}
+            | {"mean_solve_turns": statistics.mean(turns), "merged_tokens": tokens[0]}
+            | {"per_turn_tokens": tokens[1], "merged_per_rollout": tokens[0] / len(rollouts)}
+            | {"per_turn_per_rollout": tokens[1] / len(rollouts)}
+            | {"token_ratio": tokens[1] / tokens[0], "merged_attn": attn[0]}
+            | {"per_turn_attn": attn[1], "attn_ratio": attn[1] / attn[0]}
+            | {"note": "" if max(turns) > 1 else "single-turn: nothing to merge"}
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Output and the command line.
+
+
+def _append_csv(path: Path, table, rows: list[dict], meta: dict) -> None:
+    new = not path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, [*META, *(c for c, _, _ in table)], extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerows({**meta, **row} for row in rows)
+
+
+def _print_table(title: str, table, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    shown = [(key, header, spec) for key, header, spec in table if header]
+    out = Table(title=title)
+    for _, header, spec in shown:
+        out.add_column(header, justify="right" if spec else "left")
+    for row in rows:
+        out.add_row(*(Text(_fmt(row.get(key), spec)) for key, _, spec in shown))
+    Console(width=max(240, Console().width)).print(out)
+
+
+def _print_step(section: dict, machine: str) -> None:
+    b = section["batch"]
+    _print_table(
+        f"one training step on {machine}: {section['model']}; {b['tokens']} tokens, "
+        f"{b['trainable']} trainable, {b['sequences']} sequences, {b['segments']} segments, "
+        f"{b['micro_batches']} micro-batches; peak MiB = growth over a baseline taken before "
+        "the model and the batch existed: it includes the static MiB (weights, gradients, AdamW)",
+        STEP_TABLE,
+        section["rows"],
+    )
+    if "targets" in section:
+        print(
+            f"losses and grad norms agree (rtol {section['agree_rtol']:g}): "
+            f"{section['losses_agree']}; memory ratio without the static MiB: "
+            f"{_fmt(section['mem_ratio_without_static'], '.2f')}"
+        )
+        for name, t in section["targets"].items():
+            verdict = "met" if t["met"] else "NOT met"
+            measured = _fmt(t["measured"], ".2f")
+            print(f"target fused >= {t['target']}x on {name}: {verdict} (measured {measured})")
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m cod_fast.bench.train",
+        description="Benchmark a training step (fused loss vs logits + eager) and prefix merging.",
+    )
+    p.add_argument("--sections", default="step,merge", help="from step, merge")
+    p.add_argument("--reps", type=int, default=5, help="timed steps (median, p20, p80)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
+    p.add_argument("--tokens", type=int, help="packed tokens of the step (default 16384)")
+    p.add_argument("--packs", type=int, default=50, help="packs per environment (merge)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for results")
+    p.add_argument("--tiny", action="store_true", help="a tiny model and batch (smoke test)")
+    p.add_argument("--jobs", type=int, default=1, help="workers side by side (smoke tests)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.sections = args.sections.split(",")
+    if bad := [s for s in args.sections if s not in ("step", "merge")]:
+        p.error(f"--sections: unknown {bad}; choose from step, merge")
+    if min(args.reps, args.packs, args.jobs) < 1 or args.warmup < 0 or (args.tokens or 64) < 64:
+        p.error("--reps, --packs and --jobs must be >= 1, --warmup >= 0, --tokens >= 64")
+    return args, p
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    """Run the benchmark; returns the summary that the last printed line holds as JSON."""
+    args, parser = _parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(_step_worker(json.loads(args.worker))))
+        return None
+
+    import torch
+    from rich.console import Console
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    progress = Console(stderr=True)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = {"timestamp": now, "commit": _git_commit(), "machine": _machine()}
+    meta |= {"torch": torch.__version__, "transformers": importlib.metadata.version("transformers")}
+    shape = replace(
+        TINY if args.tiny else StepShape(), **({"tokens": args.tokens} if args.tokens else {})
+    )
+    settings = {
+        k: getattr(args, k) for k in ("sections", "reps", "warmup", "packs", "device", "jobs")
+    }
+    settings |= {"tiny": args.tiny, "loss": asdict(LOSS), "grad_clip": GRAD_CLIP, "lr": LR}
+    summary: dict = {**meta, "settings": settings}
+    if "step" in args.sections:
+        summary["step"] = run_step(shape, args, progress)
+        _append_csv(args.out / "train_step.csv", STEP_TABLE, summary["step"]["rows"], meta)
+        _print_step(summary["step"], meta["machine"])
+    if "merge" in args.sections:
+        with progress.status("prefix merging"):
+            summary["merge"] = run_merge(args.packs)
+        _append_csv(args.out / "prefix_merge.csv", MERGE_TABLE, summary["merge"], meta)
+        title = "trainer tokens per CoD rollout, prefix merging vs one sequence per turn"
+        title += f" ({args.packs} packs, K={K}, scripted explorer, char tokenizer)"
+        _print_table(title, MERGE_TABLE, summary["merge"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""`cod-fast export`: a run's checkpoint as a Hugging Face model folder.
+
+The folder (config, safetensors weights, tokenizer) loads with `from_pretrained` anywhere,
+vLLM and `cod-fast eval` included. The model is rebuilt from the run's own config.yaml (the
+built-in model from its sizes and the run's tokenizer), then given the checkpoint's weights, and
+saved with the standard SDPA attention, so nothing of cod-fast is needed to load it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from cod_fast.checkpoint import Checkpoint, latest_checkpoint, read_model_state
+from cod_fast.config import load_config
+from cod_fast.distributed import DistContext, load_model_state
+from cod_fast.model import BUILTIN_TINY, load_policy
+from cod_fast.policy import Policy
+
+
+def _checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise FileNotFoundError(
+            f"{run_dir} has no checkpoint (checkpoints/latest); export a run directory that "
+            "`cod-fast train` wrote, after its first checkpoint"
+        )
+    if step is None or step == latest.step:
+        return latest
+    path = run_dir / "checkpoints" / f"step-{step:07d}"
+    if not path.exists():
+        kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+        raise FileNotFoundError(f"{run_dir} has no checkpoint of step {step}; it keeps {kept}")
+    return Checkpoint(path=path, step=step, extra={})
+
+
+def export_model(run_dir: str | Path, out: str | Path, step: int | None = None) -> Checkpoint:
+    """Write checkpoint `step` (default: the latest) of `run_dir` to `out`; returns it."""
+    run_dir, out = Path(run_dir), Path(out)
+    config = run_dir / "config.yaml"
+    if not config.exists():
+        raise FileNotFoundError(f"{run_dir} has no config.yaml; is it a cod-fast run directory?")
+    cfg = load_config(path=str(config))
+    ckpt = _checkpoint(run_dir, step)
+    tokenizer = None
+    if cfg.model.name_or_path == BUILTIN_TINY and (run_dir / "tokenizer").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+    model, tokenizer = load_policy(cfg.model, "cpu", cfg.train.seed, tokenizer)
+    one_process = DistContext(
+        rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None
+    )
+    load_model_state(Policy(model), read_model_state(ckpt), one_process)
+    model.set_attn_implementation("sdpa")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return ckpt

@@ -1,0 +1,536 @@
+"""`cod-fast train`: colocated sampling and fused-loss training, one process per device.
+
+Every step, top to bottom:
+  rollouts (this rank's packs x group, one batched sampler call per driver step)
+  -> gathered on every rank -> advantages (CoD or task-by-task, RED-weight; cod_fast.algo)
+  -> packing into micro-batches balanced over the ranks, the step's global denominator
+  -> old / reference log-probs where the config asks for them (bypass by default)
+  -> fused loss, grad clip, AdamW (cod_fast.train_step; FSDP2 under torchrun)
+  -> the new weights pushed into the sampler (vLLM: gathered bucket by bucket; a torch sampler
+     that shares the training module needs none).
+A warm start of supervised steps on scripted demonstrations can come first (cod_fast.warmstart).
+Held-out eval packs are rolled out before training, after the warm start, every
+`runtime.eval_every` RL steps and at the end, with a sampler of their own fixed seed, so every
+evaluation sees the same packs and the same sampling noise.
+
+Steps count warm-start and RL steps together; a checkpoint at step N holds everything N
+completed steps produced (model, optimizer, every RNG, the sampler's generator), and pack seeds
+derive from the step, so a resumed run repeats the uninterrupted one exactly on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cod_fast.algo.assign import assign_advantages
+from cod_fast.checkpoint import (
+    latest_checkpoint,
+    read_model_state,
+    read_optimizer_state,
+    read_rank_states,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from cod_fast.config import Config, LossConfig, dump_yaml
+from cod_fast.distributed import (
+    DistContext,
+    all_reduce_max,
+    barrier,
+    full_parameters,
+    gather_objects,
+    init_distributed,
+    load_model_state,
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+    shard_policy,
+)
+from cod_fast.envs import make_env
+from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.evaluate import EvalPlan, evaluate
+from cod_fast.metrics import summarize_rollouts
+from cod_fast.model import BUILTIN_TINY, load_policy
+from cod_fast.ops import aggregation_denominator
+from cod_fast.packing import MicroBatch, pack_microbatches, rollout_sequences, step_totals
+from cod_fast.policy import Policy
+from cod_fast.records import Rollout
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.driver import DriverSettings, RolloutDriver
+from cod_fast.rollout.hints import HINT_END, HINT_START
+from cod_fast.run_log import RunLog
+from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer
+from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
+from cod_fast.warmstart import SFT_LOSS, demonstrations, transcripts
+
+CORPUS_PACKS = 64
+"""Scripted packs whose transcripts train the `bpe` tokenizer."""
+EVAL_SEED = 7_919
+"""The eval sampler's seed is train.seed + this: its own stream, the same at every evaluation."""
+REFERENCE = "reference.safetensors"
+"""The KL reference's weights in the run directory."""
+
+
+class RunDirError(RuntimeError):
+    """The run directory does not fit the request (checkpoints present without --resume)."""
+
+
+@dataclass
+class Update:
+    """What one rollout batch's optimizer steps produced."""
+
+    steps: list[StepResult] = field(default_factory=list)
+    tokens: int = 0
+    """Packed tokens (prompts and responses) over every rank."""
+    skipped: int = 0
+    """Optimizer steps skipped for a NaN/inf loss or gradient (nothing updated)."""
+    error: str = ""
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
+    """Per-position reward, CoD gain, success, hint validity and response lengths of a batch."""
+    summary = summarize_rollouts(rollouts)
+    episodes = [e for r in rollouts for e in r.episodes]
+    updates = [e for e in episodes if e.kind == "update"]
+    lengths = [sum(len(t.response_ids) for t in e.turns) for e in episodes]
+    out: dict[str, Any] = {
+        "reward_by_position": summary.mean_reward,
+        "cod_gain": summary.cod_gain,
+        "reward_mean": _mean([x for row in [r.task_rewards for r in rollouts] for x in row]),
+        "response_tokens_mean": _mean(lengths),
+        "cut_frac": _mean([float(bool(e.info.get("cut"))) for e in episodes]),
+    }
+    if summary.success_rate is not None:
+        out["success_rate"] = _mean(summary.success_rate)
+    if updates:
+        out["hint_valid_frac"] = _mean([float(e.info.get("hints") is not None) for e in updates])
+    return out
+
+
+class Trainer:
+    """One process's share of a run (all of it without torchrun)."""
+
+    def __init__(self, cfg: Config, ctx: DistContext | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or init_distributed(cfg.runtime.device, cfg.runtime.hsdp_replicate)
+        self.device = self.ctx.device
+        self.run_dir = Path(cfg.runtime.run_dir)
+        self.log = RunLog(
+            self.run_dir, enabled=self.ctx.is_main, tensorboard=cfg.runtime.tensorboard
+        )
+        self.env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
+        mode = "task_by_task" if cfg.algo.algorithm == "task_by_task" else "cod"
+        self.settings = DriverSettings.from_config(cfg.rollout, mode)
+        self.warm_steps = cfg.train.warm_start_steps
+        self.total_steps = self.warm_steps + cfg.train.steps
+        torch.manual_seed(cfg.train.seed)
+        self.tokenizer = self._tokenizer()
+        model, self.tokenizer = self._load_model()
+        self.chat = ChatFormat(self.tokenizer)
+        self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
+        self.sampler_kind = self._sampler_kind()
+        # A torch sampler under FSDP needs the whole model on each rank: a copy it owns, which
+        # receives the weights after every step, as vLLM does.
+        shared = self.sampler_kind == "torch" and not self.ctx.distributed
+        sampler_model = model if shared else copy.deepcopy(model)
+        self.push_weights = not shared
+        self.policy = shard_policy(Policy(model, self.impl), self.ctx)
+        self.sampler, self.eval_sampler = self._samplers(sampler_model)
+        self.driver = RolloutDriver(self.env, self.sampler, self.chat, self.settings)
+        self.optimizer = self._optimizer(warm=self.warm_steps > 0)
+        self.reference: Policy | None = None
+        self.step = 0
+        self.stop_requested = False
+
+    # --- setup ---------------------------------------------------------------------------------
+
+    def _tokenizer(self):
+        """The built-in model's tokenizer (None for a Hugging Face model, which has its own).
+        A `bpe` vocabulary is trained once per run and kept in the run directory."""
+        cfg = self.cfg
+        if cfg.model.name_or_path != BUILTIN_TINY:
+            return None
+        if cfg.model.tokenizer == "char":
+            return char_tokenizer(CHATML)
+        saved = self.run_dir / "tokenizer"
+        if saved.exists():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(saved)
+        chat = ChatFormat(char_tokenizer(CHATML))
+        packs = make_packs(pack_seeds("corpus", CORPUS_PACKS, cfg.train.seed), 4)
+        # Token caps are meant for the trained vocabulary, not for characters: lift them, or the
+        # corpus would lack the ends of responses and hints.
+        uncapped = dataclasses.replace(
+            self.settings, max_response_tokens=10**6, max_hint_tokens=10**6
+        )
+        corpus = transcripts(demonstrations(self.env, chat, uncapped, packs), chat)
+        tokenizer = bpe_tokenizer(corpus, cfg.model.vocab_size, whole=[HINT_START, HINT_END])
+        if self.ctx.is_main:
+            tokenizer.save_pretrained(saved)
+        return tokenizer
+
+    def _load_model(self):
+        return load_policy(self.cfg.model, self.device, self.cfg.train.seed, self.tokenizer)
+
+    def _sampler_kind(self) -> str:
+        choice = self.cfg.rollout.sampler
+        if choice == "auto":
+            has_vllm = importlib.util.find_spec("vllm") is not None
+            return "vllm" if has_vllm and self.device.type == "cuda" else "torch"
+        if choice == "vllm" and self.device.type != "cuda":
+            raise ValueError(
+                "rollout.sampler='vllm' needs a CUDA device; use 'torch' or 'auto' on the CPU"
+            )
+        return choice
+
+    def _samplers(self, model):
+        """(training sampler, eval sampler): two streams over one model or one engine; the
+        training stream differs per rank."""
+        cfg = self.cfg
+        temperature, top_p = cfg.algo.loss.temperature, cfg.rollout.top_p
+        eval_temperature = cfg.rollout.eval_temperature or temperature
+        seed, eval_seed = cfg.train.seed + 1_000 * self.ctx.rank, cfg.train.seed + EVAL_SEED
+        if self.sampler_kind == "vllm":
+            from cod_fast.rollout.vllm_sampler import VLLMSampler
+
+            sampler = VLLMSampler.create(
+                self._sampler_model_path(),
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+                dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            )
+            return sampler, sampler.with_seed(eval_seed, eval_temperature)
+        from cod_fast.rollout.torch_sampler import TorchSampler
+
+        def make(s: int, t: float) -> TorchSampler:
+            return TorchSampler(model, self.tokenizer, temperature=t, top_p=top_p, seed=s)
+
+        return make(seed, temperature), make(eval_seed, eval_temperature)
+
+    def _sampler_model_path(self) -> str:
+        """What vLLM builds its (dummy-weight) engine from: the hub id or folder, or for the
+        built-in model a folder with its config and tokenizer."""
+        if self.cfg.model.name_or_path != BUILTIN_TINY:
+            return self.cfg.model.name_or_path
+        path = self.run_dir / "sampler-model"
+        if self.ctx.is_main:
+            self.policy.model.config.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        barrier(self.ctx)
+        return str(path)
+
+    def _optimizer(self, warm: bool) -> torch.optim.Optimizer:
+        train = self.cfg.train
+        return torch.optim.AdamW(
+            self.policy.parameters(),
+            lr=train.warm_start_lr if warm else train.lr,
+            weight_decay=train.weight_decay,
+        )
+
+    def _warm_start_lr(self) -> float:
+        """The warm-start learning rate of this step, a function of the step alone (so a
+        resumed run needs no scheduler state): linear warmup, then constant or cosine to 10%."""
+        train, step = self.cfg.train, self.step
+        peak = train.warm_start_lr * min(1.0, (step + 1) / max(train.warm_start_warmup, 1))
+        if train.warm_start_schedule == "constant":
+            return peak
+        progress = min(step, self.warm_steps) / max(self.warm_steps, 1)
+        return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+    def _sync_sampler(self) -> None:
+        """Push the policy's weights into a sampler that holds its own copy."""
+        if self.push_weights:
+            self.sampler.push_weights(full_parameters(self.policy))
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def run(
+        self, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None
+    ) -> dict[str, Any]:
+        """Train to the end, or until Ctrl-C (which finishes the step and checkpoints first);
+        returns a summary with every evaluation of the run."""
+        started = time.perf_counter()
+        self._restore_or_start(resume)
+        self._sync_sampler()
+        if self.step == 0:
+            self._evaluate("start")
+        previous = signal.signal(signal.SIGINT, self._request_stop)
+        try:
+            self._loop(on_step)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if self.step == self.total_steps:
+            self._evaluate("end" if self.cfg.train.steps else "after warm start")
+        self.log.close()
+        return {
+            "steps": self.step,
+            "stopped": self.step < self.total_steps,
+            "seconds": time.perf_counter() - started,
+            "evals": self.log.evaluations() if self.ctx.is_main else [],
+        }
+
+    def _loop(self, on_step: Callable[[dict[str, Any]], None] | None) -> None:
+        cfg, skipped = self.cfg, 0
+        while self.step < self.total_steps:
+            if all_reduce_max(int(self.stop_requested), self.ctx):
+                self._checkpoint()
+                return
+            if self.step == self.warm_steps:
+                self._begin_rl()
+            record = self._one_step()
+            skipped = skipped + 1 if record["skipped"] else 0
+            if skipped >= cfg.train.max_skipped_steps:
+                raise NonFiniteError(
+                    f"{skipped} steps in a row had a NaN/inf loss or gradient and were skipped "
+                    f"(nothing was updated by them; the last checkpoint is intact); last: "
+                    f"{record['error']}"
+                )
+            self.log.step(record)
+            if on_step is not None:
+                on_step(record)
+            every = cfg.runtime.checkpoint_every
+            if self.step == self.total_steps or (every and self.step % every == 0):
+                self._checkpoint()
+            rl_steps = self.step - self.warm_steps
+            due = cfg.runtime.eval_every and rl_steps > 0 and rl_steps % cfg.runtime.eval_every == 0
+            if due and self.step < self.total_steps:
+                self._evaluate(f"rl step {rl_steps}")
+
+    def _request_stop(self, signum, frame) -> None:
+        if self.stop_requested:  # a second Ctrl-C: stop at once
+            raise KeyboardInterrupt
+        self.stop_requested = True
+
+    def _one_step(self) -> dict[str, Any]:
+        warm = self.step < self.warm_steps
+        t0 = time.perf_counter()
+        extra: dict[str, Any] = {}
+        if warm:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._warm_start_lr()
+            rollouts = self._demonstrations()
+            t_sampled = t0
+            update = self._update(rollouts, SFT_LOSS, mini_batches=1)
+        else:
+            rollouts = self.driver.run(self._my_packs(), self.cfg.rollout.group_size)
+            t_sampled = time.perf_counter()
+            rollouts = [r for part in gather_objects(rollouts, self.ctx) for r in part]
+            rollouts.sort(key=lambda r: (r.pack_id, r.member))
+            extra["red_tau"] = assign_advantages(rollouts, self.cfg.algo)
+            if hasattr(self.sampler, "sleep"):  # vLLM frees its memory for training
+                self.sampler.sleep()
+            update = self._update(rollouts, self.cfg.algo.loss, self.cfg.train.mini_batches)
+        t_trained = time.perf_counter()
+        self.step += 1
+        if self.step >= self.warm_steps:  # the next step (or the last eval) samples
+            self._sync_sampler()
+        t_end = time.perf_counter()
+        last = update.steps[-1] if update.steps else None
+        record: dict[str, Any] = {
+            "step": self.step,
+            "phase": "warm_start" if warm else "rl",
+            **_episode_metrics(rollouts),
+            **extra,
+            "loss": _mean([s.loss for s in update.steps]),
+            "grad_norm": last.grad_norm if last else float("nan"),
+            **(last.metrics if last else {}),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens": update.tokens,
+            "trainable_tokens": sum(s.trainable_tokens for s in update.steps),
+            "sample_s": t_sampled - t0,
+            "train_s": t_trained - t_sampled,
+            "push_s": t_end - t_trained,
+            "step_s": t_end - t0,
+            "tokens_per_s_per_device": update.tokens / (t_end - t0) / self.ctx.world_size,
+            "skipped": update.skipped > 0,
+        }
+        if update.skipped:
+            record["error"] = update.error
+        # JSON has no NaN: a metric that does not exist this step is null.
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in record.items()}
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def _my_packs(self):
+        """This RL step's packs (seeds from the step, so a resumed run sees the same ones),
+        this rank's share; every member of a pack stays on one rank."""
+        rollout, train = self.cfg.rollout, self.cfg.train
+        count = rollout.packs_per_step
+        seeds = pack_seeds("train", count, train.seed, start=(self.step - self.warm_steps) * count)
+        packs = make_packs(seeds, rollout.tasks_per_pack, rollout.strategy)
+        return packs[self.ctx.rank :: self.ctx.world_size]
+
+    def _demonstrations(self) -> list[Rollout]:
+        """The explorer through this warm-start step's packs; every rank makes them all (it is
+        deterministic and cheap), and packing then splits them like rollouts."""
+        train = self.cfg.train
+        count = train.warm_start_packs
+        seeds = pack_seeds("warm", count, train.seed, start=self.step * count)
+        packs = make_packs(seeds, self.cfg.rollout.tasks_per_pack)
+        return demonstrations(self.env, self.chat, self.settings, packs)
+
+    def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> Update:
+        """Optimizer steps over the batch, split into `mini_batches` of whole rollouts."""
+        budget, world = self.cfg.train.token_budget, self.ctx.world_size
+        size = math.ceil(len(rollouts) / mini_batches)
+        plans = []
+        for start in range(0, len(rollouts), size):
+            episodes = [e for r in rollouts[start : start + size] for e in r.episodes]
+            batches = pack_microbatches(rollout_sequences(episodes), budget, world)
+            packed = sum(mb.num_tokens for rank in batches for mb in rank)
+            plans.append((batches[self.ctx.rank], step_totals(batches), packed))
+        if loss is not SFT_LOSS:
+            for mbs, _, _ in plans:  # all before the first update: the policy that sampled
+                self._fill_logprobs(mbs, loss)
+        update = Update()
+        for mbs, (tokens, segments), packed in plans:
+            update.tokens += packed
+            try:
+                result = train_step(
+                    self.policy,
+                    self.optimizer,
+                    mbs,
+                    denominator=aggregation_denominator(loss, tokens, segments),
+                    config=loss,
+                    grad_clip=self.cfg.train.grad_clip,
+                )
+            except NonFiniteError as e:  # nothing was updated; the run decides whether to go on
+                update.skipped += 1
+                update.error = str(e)
+                continue
+            update.steps.append(result)
+        return update
+
+    @torch.no_grad()
+    def _fill_logprobs(self, microbatches: list[MicroBatch], loss: LossConfig) -> None:
+        """Old-policy log-probs (`algo.old_logp=recompute`) and reference log-probs (KL)."""
+        recompute = self.cfg.algo.old_logp == "recompute"
+        if not recompute and self.reference is None:
+            return
+        self.policy.eval()
+        for mb in microbatches:
+            batch = runnable(mb).to(self.device)
+            if recompute:
+                mb.old_logp = self.policy(batch, config=loss, mode="logprobs").cpu()
+            if self.reference is not None:
+                mb.ref_logp = self.reference(batch, config=loss, mode="logprobs").cpu()
+
+    # --- phases, evaluation, checkpoints -------------------------------------------------------
+
+    def _begin_rl(self) -> None:
+        """After the warm start: evaluate it, freeze the reference, start a fresh optimizer."""
+        if self.warm_steps:
+            self._evaluate("after warm start")
+            self.optimizer = self._optimizer(warm=False)
+        self._freeze_reference(model_state(self.policy, self.ctx), save=True)
+
+    def _freeze_reference(self, state: dict[str, torch.Tensor], save: bool) -> None:
+        """The KL term's reference: the policy as RL began (kept in the run directory, so a
+        resumed run gets it back); nothing at all without a KL term."""
+        loss = self.cfg.algo.loss
+        if loss.kl is None or loss.beta == 0:
+            return
+        if save and self.ctx.is_main:
+            save_file(state, self.run_dir / REFERENCE)
+        model, _ = self._load_model()
+        self.reference = shard_policy(Policy(model, self.impl), self.ctx)
+        load_model_state(self.reference, state, self.ctx)
+        self.reference.eval().requires_grad_(False)
+
+    def _evaluate(self, label: str) -> None:
+        """Held-out eval packs on the main rank, always with the same sampling noise."""
+        cfg = self.cfg
+        if cfg.rollout.eval_packs == 0:
+            return
+        if self.ctx.is_main:
+            plan = EvalPlan(
+                envs=(cfg.rollout.env,),
+                setting=cfg.rollout.eval_setting,
+                size=cfg.rollout.env_size,
+                packs=cfg.rollout.eval_packs,
+                tasks=cfg.rollout.tasks_per_pack,
+            )
+            stream = self.eval_sampler.state_dict()
+            report = evaluate(self.eval_sampler, self.chat, plan, self.settings)
+            self.eval_sampler.load_state_dict(stream)
+            self.log.evaluation(label, self.step, report["summaries"][cfg.rollout.env]["cod"])
+        barrier(self.ctx)
+
+    def _checkpoint(self) -> None:
+        rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        ranks = gather_objects(rank_state, self.ctx)
+        weights = model_state(self.policy, self.ctx)
+        optim = optimizer_state(self.policy, self.optimizer, self.ctx)
+        if self.ctx.is_main:
+            save_checkpoint(
+                self.run_dir,
+                self.step,
+                weights,
+                optim,
+                rank_states=ranks,
+                extra={"warm_start_steps": self.warm_steps, "world_size": self.ctx.world_size},
+                keep=self.cfg.runtime.keep_checkpoints,
+            )
+        barrier(self.ctx)
+
+    def _restore_or_start(self, resume: bool) -> None:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is not None and not resume:
+            raise RunDirError(
+                f"{self.run_dir} already has checkpoints (latest: step {ckpt.step}); pass "
+                "--resume to continue that run, or set runtime.run_dir to a new folder"
+            )
+        if ckpt is None:
+            if not resume and (self.run_dir / "metrics.jsonl").exists():
+                raise RunDirError(
+                    f"{self.run_dir} already holds a run's metrics.jsonl; pass --resume to "
+                    "continue it, or set runtime.run_dir to a new folder"
+                )
+            self.log.truncate(-1)
+        else:
+            self._restore(ckpt)
+        self.log.write_config(dump_yaml(self.cfg))
+
+    def _restore(self, ckpt) -> None:
+        if ckpt.extra.get("warm_start_steps") != self.warm_steps:
+            raise RunDirError(
+                f"the checkpoint in {self.run_dir} was written with train.warm_start_steps="
+                f"{ckpt.extra.get('warm_start_steps')}, this config has {self.warm_steps}; "
+                "resume with the run's own config.yaml"
+            )
+        main = self.ctx.is_main
+        self.step = ckpt.step
+        load_model_state(self.policy, read_model_state(ckpt) if main else {}, self.ctx)
+        # The optimizer that wrote the checkpoint: the warm start's up to its last step (RL then
+        # starts a fresh one), RL's after.
+        if self.step > self.warm_steps and self.warm_steps:
+            self.optimizer = self._optimizer(warm=False)
+        state = read_optimizer_state(ckpt) if main else {}
+        load_optimizer_state(self.policy, self.optimizer, state, self.ctx)
+        if self.step > self.warm_steps:
+            reference = self.run_dir / REFERENCE
+            self._freeze_reference(load_file(reference) if reference.exists() else {}, save=False)
+        ranks = read_rank_states(ckpt)
+        if len(ranks) == self.ctx.world_size:  # else new streams: resumed, but not bit-for-bit
+            set_rng_state(ranks[self.ctx.rank]["rng"])
+            self.sampler.load_state_dict(ranks[self.ctx.rank]["sampler"])
+        self.log.truncate(self.step)

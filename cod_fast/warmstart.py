@@ -1,0 +1,84 @@
+"""Scripted demonstrations, the tiny tokenizer's corpus, and the supervised warm start.
+
+A tiny model that starts from random weights does not find the CoD behaviour by sampling alone
+(shared/TINY-CPU-FACTS.md): it first imitates the environment's scripted explorer
+(cod_fast.envs), which writes what it learns into hints and reads them back on the next task.
+Demonstrations go through the same rollout driver as the model's own rollouts:
+`ScriptedDriver` answers each prompt with its run's agent instead of a sampler, so prompts, token
+ids and hint blocks are exactly what the model will later see and write.
+
+The warm-start loss is the REC policy loss with A = 1 (`SFT_LOSS`): a demonstration's log-probs
+are 0 (a deterministic policy), so every ratio exp(logp - 0) <= 1 is kept, and -A logp averaged
+over the tokens is the mean negative log-likelihood. Both phases run through `train_step`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cod_fast.config import LossConfig
+from cod_fast.envs.base import Agent, Environment
+from cod_fast.envs.packs import PackSpec
+from cod_fast.records import Rollout
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.driver import DriverSettings, RolloutDriver, RunState
+from cod_fast.rollout.hints import hint_block
+from cod_fast.rollout.sampler import Sample, text_sample
+
+SFT_LOSS = LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.2, agg="token-mean")
+
+
+class ScriptedDriver(RolloutDriver):
+    """The rollout driver with a scripted agent per (pack, member) in place of the sampler.
+
+    The agent sees what the model would: the task (its prompt and step budget), the hints the
+    solve prompt shows, each observation; it writes the next hints after each solve episode.
+    """
+
+    def __init__(
+        self,
+        env: Environment,
+        chat: ChatFormat,
+        settings: DriverSettings,
+        agent_factory: Callable[[], Agent] | None = None,
+    ):
+        super().__init__(env, sampler=None, chat=chat, settings=settings)  # type: ignore[arg-type]
+        self.make_agent = agent_factory or env.explorer
+        self.agents: dict[tuple[int, int], Agent] = {}
+
+    def _sample(self, live: list[RunState]) -> list[Sample]:
+        return [
+            text_sample(self.chat, self._answer(run), self.settings.max_response_tokens)
+            for run in live
+        ]
+
+    def _answer(self, run: RunState) -> str:
+        key = (run.spec.pack_id, run.member)
+        if run.phase == "update":
+            return hint_block(self.agents[key].write_hints(run.task, run.shown_hints))
+        if not run.turns:  # the first response of a solve episode
+            if run.position == 0:
+                self.agents[key] = self.make_agent()
+            self.agents[key].start(run.task, run.shown_hints)
+        return self.agents[key].act(run.observation)
+
+
+def demonstrations(
+    env: Environment, chat: ChatFormat, settings: DriverSettings, packs: list[PackSpec]
+) -> list[Rollout]:
+    """The scripted explorer through `packs` (one member each), every advantage set to 1."""
+    rollouts = ScriptedDriver(env, chat, settings).run(packs, group_size=1)
+    for rollout in rollouts:
+        for episode in rollout.episodes:
+            episode.advantage = 1.0
+    return rollouts
+
+
+def transcripts(rollouts: list[Rollout], chat: ChatFormat) -> list[str]:
+    """The text of every turn (prompt and response): a tokenizer corpus for the environment."""
+    return [
+        chat.decode(turn.prompt_ids + turn.response_ids)
+        for rollout in rollouts
+        for episode in rollout.episodes
+        for turn in episode.turns
+    ]

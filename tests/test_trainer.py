@@ -1,0 +1,246 @@
+"""The training loop end to end on the CPU: `cod-fast train` smoke runs, resume, Ctrl-C, bad input,
+the reference model, old-log-prob recompute, task-by-task, and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+import cod_fast.trainer as trainer_module
+from cod_fast.checkpoint import latest_checkpoint, read_model_state
+from cod_fast.cli import app
+from cod_fast.config import load_config
+from cod_fast.train_step import NonFiniteError
+from cod_fast.trainer import RunDirError, Trainer
+
+runner = CliRunner()
+
+# A few seconds per run: a one-layer model, two packs of two members, two warm-start and two RL
+# steps, two eval packs, a checkpoint after every step.
+FAST = [
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.intermediate_size=64",
+    "rollout.packs_per_step=2",
+    "rollout.group_size=2",
+    "rollout.eval_packs=2",
+    "rollout.max_response_tokens=12",
+    "train.warm_start_steps=2",
+    "train.warm_start_packs=2",
+    "train.steps=2",
+    "runtime.checkpoint_every=1",
+    "runtime.keep_checkpoints=0",
+]
+TIMING = {"sample_s", "train_s", "push_s", "step_s", "tokens_per_s_per_device"}
+
+
+def config(run_dir, *extra):
+    return load_config("tiny-cpu", overrides=[*FAST, f"runtime.run_dir={run_dir}", *extra])
+
+
+def metrics(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
+
+
+def parameters(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.policy.model.named_parameters()}
+
+
+def test_cli_train_smoke_writes_a_run_directory(tmp_path):
+    """`cod-fast train --preset tiny-cpu` with a handful of steps exits 0 and leaves a complete
+    run directory: resolved config, one metrics line per step (warm start then RL, with rewards
+    by position, loss and timings), the three evaluations, the plot, the tokenizer, checkpoints."""
+    run = tmp_path / "run"
+    args = ["train", "--preset", "tiny-cpu"]
+    for override in [*FAST, f"runtime.run_dir={run}"]:
+        args += ["--set", override]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out eval packs" in result.output and "finished at step 4" in result.output
+    assert load_config(path=str(run / "config.yaml")) == config(run)
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4]
+    assert [r["phase"] for r in lines] == ["warm_start"] * 2 + ["rl"] * 2
+    for r in lines:
+        assert len(r["reward_by_position"]) == 4 and r["tokens"] > 0 and r["step_s"] > 0
+        assert r["loss"] is not None and r["grad_norm"] >= 0
+    assert lines[-1]["sample_s"] > 0 and lines[0]["sample_s"] == 0  # demonstrations sample nothing
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(e["label"], e["step"]) for e in evals] == [
+        ("start", 0),
+        ("after warm start", 2),
+        ("end", 4),
+    ]
+    assert (run / "rewards.png").stat().st_size > 0
+    assert (run / "tokenizer" / "tokenizer.json").exists()
+    assert latest_checkpoint(run).step == 4
+    assert len(list((run / "checkpoints").glob("step-*"))) == 4
+
+
+def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
+    """Stop after step 3 (as Ctrl-C does: finish the step, checkpoint, exit), resume in a fresh
+    Trainer: final parameters equal the uninterrupted run's bit for bit, and so do the logged
+    metrics (timings aside) and evaluations."""
+    straight = Trainer(config(tmp_path / "a"))
+    straight.run()
+
+    first = Trainer(config(tmp_path / "b"))
+
+    def stop_after_3(record):
+        if record["step"] == 3:
+            first.stop_requested = True
+
+    summary = first.run(on_step=stop_after_3)
+    assert summary["stopped"] and summary["steps"] == 3
+    assert latest_checkpoint(tmp_path / "b").step == 3
+    torch.manual_seed(12345)  # whatever happened in between, resume restores every generator
+    resumed = Trainer(config(tmp_path / "b"))
+    resumed.run(resume=True)
+
+    want, got = parameters(straight), parameters(resumed)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    assert metrics(tmp_path / "a") == metrics(tmp_path / "b")
+    evals = [(tmp_path / d / "eval.jsonl").read_text() for d in "ab"]
+    assert evals[0] == evals[1]
+
+
+def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
+    """A real SIGINT during a step lets the step finish, saves a checkpoint of it, and returns
+    `stopped`; the checkpoint holds the parameters the run ended with."""
+    trainer = Trainer(config(tmp_path / "run"))
+    handler = signal.getsignal(signal.SIGINT)
+
+    def interrupt(record):
+        if record["step"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    summary = trainer.run(on_step=interrupt)
+    assert summary["stopped"] and summary["steps"] == 2
+    ckpt = latest_checkpoint(tmp_path / "run")
+    assert ckpt.step == 2
+    saved = read_model_state(ckpt)
+    for name, param in trainer.policy.model.named_parameters():
+        assert torch.equal(saved[name], param.detach()), name
+    assert signal.getsignal(signal.SIGINT) is handler  # the run's own handler is gone
+
+
+def test_existing_run_directory_needs_resume(tmp_path):
+    """A second run into a directory with checkpoints refuses to overwrite it (clear error, exit
+    2 from the CLI) unless --resume is given; with it, a finished run only re-evaluates."""
+    run = tmp_path / "run"
+    Trainer(config(run)).run()
+    with pytest.raises(RunDirError, match="--resume"):
+        Trainer(config(run)).run()
+    args = ["train", "--preset", "tiny-cpu"]
+    for override in [*FAST, f"runtime.run_dir={run}"]:
+        args += ["--set", override]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "--resume" in result.stderr
+    assert latest_checkpoint(run).step == 4
+    resumed = runner.invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert len(metrics(run)) == 4
+
+
+def test_repeated_non_finite_steps_stop_the_run_with_the_cause(tmp_path, monkeypatch):
+    """NaN losses skip their steps (nothing updated); after train.max_skipped_steps in a row the
+    run stops with an error naming the cause, and the last checkpoint stays as it was."""
+    run = tmp_path / "run"
+
+    def nan_step(*args, **kwargs):
+        raise NonFiniteError("the step's loss is nan; the step was skipped")
+
+    trainer = Trainer(config(run, "train.max_skipped_steps=2", "train.warm_start_steps=1"))
+    real_step = trainer_module.train_step
+    calls = []
+
+    def first_real_then_nan(*args, **kwargs):
+        calls.append(1)
+        return real_step(*args, **kwargs) if len(calls) == 1 else nan_step()
+
+    monkeypatch.setattr(trainer_module, "train_step", first_real_then_nan)
+    with pytest.raises(NonFiniteError, match="2 steps in a row") as err:
+        trainer.run(on_step=lambda r: None)
+    assert "loss is nan" in str(err.value)
+    ckpt = latest_checkpoint(run)
+    assert ckpt.step == 2  # step 2 was skipped but logged; step 3 (the second skip) stopped it
+    saved = read_model_state(ckpt)
+    for name, param in trainer.policy.model.named_parameters():
+        assert torch.equal(saved[name], param.detach()), name
+
+
+def test_reference_model_only_with_a_kl_term(tmp_path):
+    """beta = 0: no reference model is ever built; beta > 0 with k3: a frozen reference exists,
+    the KL metric is logged, and it starts at 0 (the reference is the policy as RL began)."""
+    plain = Trainer(config(tmp_path / "a", "train.warm_start_steps=0", "train.steps=1"))
+    plain.run()
+    assert plain.reference is None and "kl" not in metrics(tmp_path / "a")[-1]
+
+    kl = Trainer(
+        config(
+            tmp_path / "b",
+            "train.warm_start_steps=0",
+            "train.steps=1",
+            "algo.loss.kl=k3",
+            "algo.loss.beta=0.1",
+        )
+    )
+    kl.run()
+    assert kl.reference is not None
+    assert not any(p.requires_grad for p in kl.reference.parameters())
+    record = metrics(tmp_path / "b")[-1]
+    assert record["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_recomputed_old_logprobs_match_the_sampler(tmp_path):
+    """algo.old_logp=recompute: the trainer's log-probs of the sampled tokens equal the sampler's
+    (same weights, same temperature), so the first update's ratios are 1 up to float rounding."""
+    trainer = Trainer(
+        config(
+            tmp_path / "run",
+            "train.warm_start_steps=0",
+            "train.steps=1",
+            "algo.old_logp=recompute",
+            "algo.loss.rollout_correction=tis",
+        )
+    )
+    trainer.run()
+    record = metrics(tmp_path / "run")[-1]
+    assert record["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert record["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_task_by_task_rolls_out_no_update_episodes(tmp_path):
+    """The tiny-cpu-tbt preset: no update episodes (no hint metric), GRPO-style loss."""
+    cfg = load_config(
+        "tiny-cpu-tbt", overrides=[*FAST, f"runtime.run_dir={tmp_path / 'run'}", "train.steps=1"]
+    )
+    Trainer(cfg).run()
+    record = metrics(tmp_path / "run")[-1]
+    assert record["phase"] == "rl" and "hint_valid_frac" not in record
+
+
+def test_export_writes_a_hugging_face_model(tmp_path):
+    """`cod-fast export` turns the latest checkpoint into a folder that from_pretrained loads,
+    with the trained weights: its logits equal the trainer's model's."""
+    run = tmp_path / "run"
+    trainer = Trainer(config(run, "train.steps=0", "train.warm_start_steps=1"))
+    trainer.run()
+    result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([trainer.tokenizer.encode("pos 1 2\nDirection 3")])
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, trainer.policy.model(ids).logits)
+    missing = runner.invoke(app, ["export", str(tmp_path / "nothing"), "--out", str(tmp_path)])
+    assert missing.exit_code == 2 and "config.yaml" in missing.stderr
