@@ -220,19 +220,28 @@ def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
 
 
 def _git_commit() -> str:
+    """HEAD's short hash, with `-dirty` when tracked files differ from it (the numbers then
+    belong to uncommitted code)."""
     if os.environ.get("COD_FAST_GIT_COMMIT"):  # set by gpu_check.sh where the copy has no .git
         return os.environ["COD_FAST_GIT_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", *args],
+                cwd=Path(__file__).resolve().parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _machine() -> str:

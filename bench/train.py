@@ -74,7 +74,7 @@ META = ("timestamp", "commit", "machine", "torch", "transformers")
 # fmt: off
 STEP_TABLE = (
     ("contender", "contender", ""), ("impl", "impl", ""), ("dtype", "dtype", ""),
-    ("model", None, ""), ("device", None, ""), ("tokens", None, ""), ("trainable", None, ""),
+    ("model", None, ""), ("device", None, ""), ("grad_ckpt", "grad ckpt", ""), ("tokens", None, ""), ("trainable", None, ""),
     ("sequences", None, ""), ("segments", None, ""), ("micro_batches", None, ""),
     ("median_s", "median s", ".3f"), ("p20_s", "p20 s", ".3f"), ("p80_s", "p80 s", ".3f"),
     ("peak_mib", "peak MiB", ".0f"), ("static_mib", "static MiB", ".0f"),
@@ -187,12 +187,14 @@ def step_batch(shape: StepShape):
     return mbs, aggregation_denominator(LOSS, trainable, segments), stats
 
 
-def build_model(shape: StepShape, device, dtype):
-    """A seeded Qwen3ForCausalLM from a config, with cod-fast's packed attention for `device`."""
+def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False):
+    """A seeded Qwen3ForCausalLM from a config, with cod-fast's packed attention for `device`
+    (and gradient checkpointing per decoder layer when `grad_ckpt`)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from cod_fast.attention import KERNELS, resolve_attn_impl
+    from cod_fast.model import enable_checkpointing
 
     config = Qwen3Config(
         vocab_size=shape.vocab,
@@ -209,6 +211,8 @@ def build_model(shape: StepShape, device, dtype):
         torch.manual_seed(SEED)
         model = Qwen3ForCausalLM(config)
     model.set_attn_implementation(KERNELS[resolve_attn_impl("auto", device)])
+    if grad_ckpt:
+        enable_checkpointing(model)
     return model.to(device=device, dtype=dtype)
 
 
@@ -309,9 +313,9 @@ def _busy_cpu_s() -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _setup(contender: str, shape: StepShape, device, dtype):
+def _setup(contender: str, shape: StepShape, device, dtype, grad_ckpt: bool = False):
     """(model, optimizer, step, batch stats) of one contender, ready to time."""
-    model = build_model(shape, device, dtype)
+    model = build_model(shape, device, dtype, grad_ckpt)
     mbs, denominator, stats = step_batch(shape)
     set_rollout_logp(model, mbs, device)
     step, optimizer = make_step(contender, model, mbs, denominator)
@@ -337,7 +341,9 @@ def _step_worker(spec: dict) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mib()
-    model, optimizer, step, stats = _setup(spec["contender"], shape, device, dtype)
+    model, optimizer, step, stats = _setup(
+        spec["contender"], shape, device, dtype, spec["grad_ckpt"]
+    )
     results: list[tuple[float, float]] = []
     # What the machine's other processes took while we were timed: this benchmark's numbers
     # only mean something when that share is small.
@@ -410,7 +416,7 @@ def run_step(shape: StepShape, args, progress) -> dict:
     )
     specs = [
         {"contender": contender, "shape": asdict(shape), "device": args.device}
-        | {"reps": args.reps, "warmup": args.warmup}
+        | {"reps": args.reps, "warmup": args.warmup, "grad_ckpt": args.grad_ckpt}
         for contender in CONTENDERS
     ]
     # One at a time unless --jobs says otherwise (a smoke test's timings mean nothing).
@@ -419,6 +425,7 @@ def run_step(shape: StepShape, args, progress) -> dict:
     rows = []
     for contender, result in zip(CONTENDERS, results, strict=True):
         rows.append({"contender": contender, "model": shape.describe(), "device": args.device})
+        rows[-1]["grad_ckpt"] = args.grad_ckpt
         rows[-1] |= result | {"note": "" if result["status"] == "ok" else result["status"]}
         progress.print(f"step / {contender}: {result['status']}", markup=False, highlight=False)
     section = {"model": shape.describe(), "shape": asdict(shape), "batch": stats, "rows": rows}
@@ -542,6 +549,9 @@ def _parse_args(argv):
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for results")
     p.add_argument("--tiny", action="store_true", help="a tiny model and batch (smoke test)")
     p.add_argument("--jobs", type=int, default=1, help="workers side by side (smoke tests)")
+    p.add_argument(
+        "--grad-ckpt", action="store_true", help="gradient checkpointing per layer (both sides)"
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -575,7 +585,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         TINY if args.tiny else StepShape(), **({"tokens": args.tokens} if args.tokens else {})
     )
     settings = {
-        k: getattr(args, k) for k in ("sections", "reps", "warmup", "packs", "device", "jobs")
+        k: getattr(args, k)
+        for k in ("sections", "reps", "warmup", "packs", "device", "jobs", "grad_ckpt")
     }
     settings |= {"tiny": args.tiny, "loss": asdict(LOSS), "grad_clip": GRAD_CLIP, "lr": LR}
     summary: dict = {**meta, "settings": settings}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import itertools
 
 import torch
 import torch.nn.functional as F
@@ -73,12 +72,14 @@ def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
 def _per_sequence_sdpa(q, k, v, cu_seqlens, scaling):
     """[T, H, D] inputs; one causal SDPA call per sequence. The inputs are 4-D ([1, H, L, D]):
     torch's fused CPU (flash) kernel takes only 4-D ones; 3-D inputs fall back to the math path,
-    which is ~3x slower and keeps the [H, L, L] probabilities for backward."""
-    bounds = cu_seqlens.tolist()
+    which is ~3x slower and keeps the [H, L, L] probabilities for backward. The sequences are
+    cut with one `split` (its backward is one concatenation; slicing would make each slice's
+    backward write a zero-filled [T, H, D] gradient)."""
+    lengths = cu_seqlens.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    for start, end in itertools.pairwise(bounds):
-        qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+    pieces = (x.transpose(0, 1)[None].split(lengths, dim=2) for x in (q, k, v))
+    for qs, ks, vs in zip(*pieces, strict=True):
         out = F.scaled_dot_product_attention(
             qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa
         )

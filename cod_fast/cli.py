@@ -276,6 +276,9 @@ def bench_train(
     out: Annotated[Path | None, typer.Option(help="Folder for the CSVs and train.json.")] = None,
     tiny: Annotated[bool, typer.Option("--tiny", help="A tiny model and batch (smoke).")] = False,
     jobs: Annotated[int | None, typer.Option(help="Step workers side by side (smoke).")] = None,
+    grad_ckpt: Annotated[
+        bool, typer.Option("--grad-ckpt", help="Gradient checkpointing per layer, both sides.")
+    ] = False,
 ) -> None:
     """Time a training step (fused loss vs logits + eager) and count prefix merging's savings
     (cod_fast.bench.train)."""
@@ -284,7 +287,7 @@ def bench_train(
     options = {"sections": sections, "reps": reps, "warmup": warmup, "tokens": tokens}
     options |= {"packs": packs, "device": device, "out": out, "jobs": jobs}
     argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
-    train.main(argv + ["--tiny"] * tiny)
+    train.main(argv + ["--tiny"] * tiny + ["--grad-ckpt"] * grad_ckpt)
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]

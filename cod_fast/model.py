@@ -69,8 +69,15 @@ def load_policy(
         )
     model.set_attn_implementation(KERNELS[resolve_attn_impl(cfg.attn_impl, device)])
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     return model.to(device), tokenizer
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward pass (non-reentrant). transformers renamed
+    `gradient_checkpointing_enable` to `activation_checkpointing_enable` during 5.x."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    (enable or model.gradient_checkpointing_enable)({"use_reentrant": False})
 
 
 def lm_head_weight(model) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import threading
 
+import torch
+
 from cod_fast.envs.base import Agent, Environment, StepOutcome, Task, rng_for
 from cod_fast.tokenizer import CHATML, char_tokenizer  # noqa: F401 - re-exported for tests
 
@@ -92,3 +94,27 @@ def guess_policy(prompt: str) -> str:
         else:
             hi = int(guess) - 1
     return str((lo + hi) // 2)
+
+
+def save_tiny_qwen3(path, tokenizer, seed: int = 0):
+    """A 2-layer Qwen3 with random weights (seeded, global RNG untouched) saved with `tokenizer`
+    like a real model folder; returns the path."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        Qwen3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

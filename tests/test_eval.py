@@ -6,35 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 from typer.testing import CliRunner
 
 from cod_fast.cli import app
 from cod_fast.tokenizer import CHATML, char_tokenizer
+from tests.rollout_helpers import save_tiny_qwen3
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A 2-layer Qwen3 with random weights and a character tokenizer, saved like a real model."""
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    tokenizer = char_tokenizer(CHATML)
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), char_tokenizer(CHATML))
 
 
 def test_eval_command_writes_json_and_plot(tiny_model_dir, tmp_path):

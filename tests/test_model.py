@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from cod_fast.config import ModelConfig
 from cod_fast.model import lm_head_weight, load_policy, packed_hidden_states
 from cod_fast.ops import linear_policy_loss
 from cod_fast.packing import Sequence, build_microbatch, rollout_sequences
+from cod_fast.policy import Policy
 from tests.test_layout_invariance import random_episode
 
 
@@ -97,3 +99,28 @@ def test_segment_free_sequences_are_allowed():
     """A micro-batch of prompt-only sequences (no segments) packs and runs (nothing to train)."""
     mb = build_microbatch([Sequence(tokens=[1, 2, 3], segments=[])])
     assert mb.num_trainable == 0 and mb.num_tokens == 3
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    """ModelConfig.gradient_checkpointing recomputes each layer in the backward pass of the
+    packed, fused-loss step: same loss, same parameter gradients as keeping activations."""
+    cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+    rng = random.Random(5)
+    episodes = [random_episode(rng, p, "solve", k) for p in range(2) for k in range(2)]
+    mb = build_microbatch(rollout_sequences(episodes, merge_prefix=True))
+    loss_cfg = LossConfig(policy="rec_one_side")
+    results = []
+    for checkpointing in (False, True):
+        cfg = replace(cfg, gradient_checkpointing=checkpointing)
+        model, _ = load_policy(cfg, "cpu", seed=2)
+        model.train()  # transformers recomputes only in training mode
+        out = Policy(model)(mb, config=loss_cfg)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((model.model.gradient_checkpointing, out.loss.detach(), grads))
+    (off, loss_plain, grads_plain), (on, loss_ckpt, grads_ckpt) = results
+    assert (off, on) == (False, True)
+    torch.testing.assert_close(loss_ckpt, loss_plain, atol=0, rtol=0)
+    assert grads_plain.keys() == grads_ckpt.keys() and len(grads_plain) > 10
+    for name in grads_plain:
+        torch.testing.assert_close(grads_ckpt[name], grads_plain[name], atol=1e-6, rtol=1e-5)

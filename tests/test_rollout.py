@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from cod_fast.algo.assign import assign_advantages
@@ -9,7 +11,7 @@ from cod_fast.config import AlgoConfig
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.packing import pack_microbatches, rollout_sequences
 from cod_fast.rollout.chat import ChatFormat
-from cod_fast.rollout.driver import DriverSettings, RolloutDriver
+from cod_fast.rollout.driver import DriverSettings, RolloutDriver, _EnvTimeout, _EnvWorker
 from cod_fast.rollout.hints import HINT_END, HINT_START, NO_HINT, context_line, parse_hints
 from cod_fast.rollout.sampler import TextPolicySampler
 from tests.rollout_helpers import CHATML, GuessEnv, char_tokenizer, guess_policy
@@ -184,6 +186,21 @@ def test_hanging_environment_times_out_alone():
     hung, healthy = rollouts
     assert all("TimeoutError" in e.info["error"] for e in hung.episodes if e.kind == "solve")
     assert hung.task_rewards == [0.0, 0.0] and healthy.task_rewards == [1.0, 1.0]
+
+
+def test_env_worker_reuses_one_thread_and_replaces_a_stuck_one():
+    """Calls run on one reused thread and return their value or raise their own exception; a
+    call past its timeout raises _EnvTimeout and the next call runs on a fresh thread."""
+    worker, release = _EnvWorker(), threading.Event()
+    idents = {worker.call(threading.get_ident, 1.0) for _ in range(5)}
+    assert len(idents) == 1 and threading.get_ident() not in idents
+    with pytest.raises(KeyError, match="boom"):
+        worker.call(lambda: {}["boom"], 1.0)
+    with pytest.raises(_EnvTimeout):
+        worker.call(release.wait, 0.05)
+    assert worker.call(threading.get_ident, 1.0) not in idents
+    assert worker.call(lambda: 41 + 1, 1.0) == 42
+    release.set()
 
 
 def test_non_finite_reward_is_an_environment_error():

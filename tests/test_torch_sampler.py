@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from cod_fast.model import lm_head_weight, packed_hidden_states
 from cod_fast.ops import linear_logprobs
@@ -23,6 +23,7 @@ from cod_fast.rollout.torch_sampler import (
     processed_logprobs,
 )
 from cod_fast.tokenizer import CHATML, char_tokenizer
+from tests.rollout_helpers import save_tiny_qwen3
 
 T = 0.7
 
@@ -35,23 +36,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory, tokenizer):
     """A 2-layer Qwen3 with random weights and a character tokenizer, saved like a real model."""
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    path = save_tiny_qwen3(tmp_path_factory.mktemp("tiny-qwen3"), tokenizer)
     return AutoModelForCausalLM.from_pretrained(path).eval()
 
 

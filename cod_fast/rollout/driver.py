@@ -17,6 +17,7 @@ on.
 from __future__ import annotations
 
 import math
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
@@ -29,6 +30,44 @@ from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.hints import context_line, parse_hints
 from cod_fast.rollout.prompts import PROMPT_STYLES, Trajectory
 from cod_fast.rollout.sampler import Sample, Sampler
+
+
+class _EnvTimeout(Exception):
+    """An environment call outlasted DriverSettings.env_timeout_s."""
+
+
+class _EnvWorker:
+    """Runs environment calls on one daemon thread, reused from call to call (starting a thread
+    per call cost more than the scripted explorer's whole step). A call that outlasts its
+    timeout keeps that thread (Python cannot stop it): the worker drops it and the next call
+    starts a fresh one."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue | None = None
+
+    def call(self, fn, timeout: float):
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._jobs,), daemon=True).start()
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs.put((fn, done))
+        try:
+            ok, value = done.get(timeout=timeout)
+        except queue.Empty:
+            self._jobs = None  # the stuck thread serves no one again
+            raise _EnvTimeout from None
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue) -> None:
+        while True:
+            fn, done = jobs.get()
+            try:
+                done.put((True, fn()))
+            except Exception as exc:  # handed back to the driver's thread
+                done.put((False, exc))
 
 
 @dataclass(frozen=True)
@@ -91,6 +130,7 @@ class RolloutDriver:
     ):
         self.env, self.sampler, self.chat, self.settings = env, sampler, chat, settings
         self.prompts = PROMPT_STYLES[settings.prompt_style]
+        self._worker = _EnvWorker()
 
     def run(self, packs: list[PackSpec], group_size: int) -> list[Rollout]:
         """Roll out every pack `group_size` times; one Rollout per (pack, member)."""
@@ -159,30 +199,13 @@ class RolloutDriver:
         """Call into the environment; an exception or a timeout ends this episode, not the
         rollout."""
         timeout = self.settings.env_timeout_s
-        if timeout is None:
-            try:
-                return call()
-            except Exception as exc:  # environment code is not ours to trust: record, go on
-                run.error = f"{type(exc).__name__}: {exc}"
-                return None
-        box: dict = {}
-
-        def target():
-            try:
-                box["value"] = call()
-            except Exception as exc:  # handed back to the driver's thread below
-                box["error"] = exc
-
-        worker = threading.Thread(target=target, daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
+        try:
+            return call() if timeout is None else self._worker.call(call, timeout)
+        except _EnvTimeout:
             run.error = f"TimeoutError: the environment took longer than {timeout} s"
-            return None
-        if "error" in box:
-            run.error = f"{type(box['error']).__name__}: {box['error']}"
-            return None
-        return box["value"]
+        except Exception as exc:  # environment code is not ours to trust: record, go on
+            run.error = f"{type(exc).__name__}: {exc}"
+        return None
 
     def _end_solve(self, run: RunState) -> None:
         task = run.task
