@@ -74,7 +74,8 @@ META = ("timestamp", "commit", "machine", "torch", "transformers")
 # fmt: off
 STEP_TABLE = (
     ("contender", "contender", ""), ("impl", "impl", ""), ("dtype", "dtype", ""),
-    ("model", None, ""), ("device", None, ""), ("grad_ckpt", "grad ckpt", ""), ("tokens", None, ""), ("trainable", None, ""),
+    ("model", None, ""), ("device", None, ""), ("grad_ckpt", "grad ckpt", ""),
+    ("tokens", None, ""), ("trainable", None, ""),
     ("sequences", None, ""), ("segments", None, ""), ("micro_batches", None, ""),
     ("median_s", "median s", ".3f"), ("p20_s", "p20 s", ".3f"), ("p80_s", "p80 s", ".3f"),
     ("peak_mib", "peak MiB", ".0f"), ("static_mib", "static MiB", ".0f"),

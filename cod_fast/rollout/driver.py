@@ -38,7 +38,7 @@ class _EnvTimeout(Exception):
 
 class _EnvWorker:
     """Runs environment calls on one daemon thread, reused from call to call (starting a thread
-    per call cost more than the scripted explorer's whole step). A call that outlasts its
+    per call took a third of a scripted-explorer rollout's time). A call that outlasts its
     timeout keeps that thread (Python cannot stop it): the worker drops it and the next call
     starts a fresh one."""
 
