@@ -98,7 +98,9 @@ def guess_policy(prompt: str) -> str:
 
 def save_tiny_qwen3(path, tokenizer, seed: int = 0):
     """A 2-layer Qwen3 with random weights (seeded, global RNG untouched) saved with `tokenizer`
-    like a real model folder; returns the path."""
+    like a real model folder; returns the path. Not `cod_fast.model.build_tiny_qwen3`: this one
+    has grouped-query attention (2 KV heads for 4 query heads), as real Qwen3 models do, which
+    the sampler's KV cache and the eval tests should see."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(

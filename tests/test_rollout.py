@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -200,7 +201,27 @@ def test_env_worker_reuses_one_thread_and_replaces_a_stuck_one():
         worker.call(release.wait, 0.05)
     assert worker.call(threading.get_ident, 1.0) not in idents
     assert worker.call(lambda: 41 + 1, 1.0) == 42
-    release.set()
+    before = threading.active_count()
+    worker.close()
+    release.set()  # the stuck call returns; its thread ends too
+    assert _threads_settle_at(before - 2)
+
+
+def test_driver_runs_leave_no_threads_behind():
+    """Every `run` closes its environment worker: repeated rollouts do not pile up threads."""
+    before = threading.active_count()
+    for _ in range(3):
+        run_guess(group=1, packs=1, tasks=2, timeout=5.0)
+    assert _threads_settle_at(before)
+
+
+def _threads_settle_at(count: int, wait_s: float = 2.0) -> bool:
+    """Whether the live thread count reaches `count` within `wait_s` (ended threads take a
+    moment to leave after their sentinel)."""
+    deadline = time.monotonic() + wait_s
+    while threading.active_count() != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threading.active_count() == count
 
 
 def test_non_finite_reward_is_an_environment_error():

@@ -40,7 +40,8 @@ class _EnvWorker:
     """Runs environment calls on one daemon thread, reused from call to call (starting a thread
     per call took a third of a scripted-explorer rollout's time). A call that outlasts its
     timeout keeps that thread (Python cannot stop it): the worker drops it and the next call
-    starts a fresh one."""
+    starts a fresh one. `close` ends the idle thread (the driver closes its worker after each
+    `run`, so drivers made per batch leave no threads behind)."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue | None = None
@@ -54,16 +55,21 @@ class _EnvWorker:
         try:
             ok, value = done.get(timeout=timeout)
         except queue.Empty:
-            self._jobs = None  # the stuck thread serves no one again
+            self.close()  # the stuck thread ends once its call returns, if it ever does
             raise _EnvTimeout from None
         if not ok:
             raise value
         return value
 
+    def close(self) -> None:
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
     @staticmethod
     def _serve(jobs: queue.SimpleQueue) -> None:
-        while True:
-            fn, done = jobs.get()
+        while (job := jobs.get()) is not None:
+            fn, done = job
             try:
                 done.put((True, fn()))
             except Exception as exc:  # handed back to the driver's thread
@@ -135,11 +141,14 @@ class RolloutDriver:
     def run(self, packs: list[PackSpec], group_size: int) -> list[Rollout]:
         """Roll out every pack `group_size` times; one Rollout per (pack, member)."""
         runs = [RunState(spec=spec, member=g) for spec in packs for g in range(group_size)]
-        for run in runs:
-            self._start_solve(run)
-        while live := [run for run in runs if run.phase != "done"]:
-            for run, sample in zip(live, self._sample(live), strict=True):
-                self._advance(run, sample)
+        try:
+            for run in runs:
+                self._start_solve(run)
+            while live := [run for run in runs if run.phase != "done"]:
+                for run, sample in zip(live, self._sample(live), strict=True):
+                    self._advance(run, sample)
+        finally:
+            self._worker.close()
         return [
             Rollout(
                 pack_id=run.spec.pack_id,
