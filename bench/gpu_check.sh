@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of cod-fast: the Triton/policy-loss tests and the kernel benchmark on an NVIDIA GPU.
+# GPU check of cod-fast: the Triton/policy-loss tests, the kernel and train-step benchmarks and a
+# few whole trainer steps on an NVIDIA GPU.
 #
 #   bash bench/gpu_check.sh            # from the repository root
 #
@@ -8,8 +9,9 @@
 # offline into /tmp/site. Nothing is built: the C++ extension stays absent (impl `cpp` reports
 # itself unavailable). Everything lands in one folder, $OUT or else gpu_check_results/: env.txt,
 # pytest.log, bench_<case>.log, kernels.csv, kernels_<case>.json, logs/ of failed benchmark
-# workers and gpu_check.log (this script's whole output). Every step runs under `timeout`, so the
-# whole check stays under 8 minutes; the last line is a one-line summary. GPU_CHECK_BENCH_ARGS
+# workers, train_run/ and train_run.log (the trainer steps) and gpu_check.log (this script's
+# whole output). Every step runs under `timeout`, so the whole check stays under 9 minutes; the
+# last line is a one-line summary. GPU_CHECK_BENCH_ARGS
 # adds arguments to every benchmark call (e.g. "--scale 0.05 --impls eager,torch" for a dry run
 # on a CPU-only machine).
 set -uo pipefail
@@ -25,7 +27,7 @@ echo "== cod-fast gpu_check $(date -u +%FT%TZ) repo=$REPO out=$OUT"
     exit 2
 }
 unset TRITON_INTERPRET  # the GPU runs the compiled kernels, not the interpreter
-DEADLINE=$((SECONDS + 460))  # every step's limit is cut to what is left of ~7.7 minutes
+DEADLINE=$((SECONDS + 520))  # every step's limit is cut to what is left of ~8.7 minutes
 limit() {                    # limit WANTED: WANTED seconds, or what is left if that is less
     local left=$((DEADLINE - SECONDS))
     echo $((left < $1 ? (left > 1 ? left : 1) : $1))
@@ -147,6 +149,35 @@ if [ "$IMPORT_RC" -eq 0 ]; then
     TRAIN="train bench rc=${PIPESTATUS[0]}"
 fi
 
+# 3c. Whole trainer steps, sampling included, of a Qwen3-architecture model built from a config
+# (8 layers, H=1024, bf16, torch's varlen attention, the torch sampler: vLLM is not installed on
+# this machine). tokens/s per GPU = training tokens / step wall time / GPUs, from metrics.jsonl.
+STEPS="trainer not run"
+if [ "$IMPORT_RC" -eq 0 ]; then
+    lim=$(limit 80)
+    echo "== trainer steps (limit $lim s)"
+    rm -rf "$OUT/train_run"
+    timeout --kill-after=5 "$lim" python -m cod_fast.cli train --preset tiny-cpu \
+        --set runtime.device=cuda --set model.dtype=bfloat16 --set model.hidden_size=1024 \
+        --set model.num_layers=8 --set model.num_heads=8 --set model.intermediate_size=3072 \
+        --set train.warm_start_steps=0 --set train.steps=4 --set rollout.eval_packs=4 \
+        --set runtime.run_dir="$OUT/train_run" >"$OUT/train_run.log" 2>&1
+    rc=$?
+    tail -n 30 "$OUT/train_run.log"
+    STEPS="trainer rc=$rc $(
+        python - "$OUT/train_run/metrics.jsonl" <<'EOF' 2>/dev/null
+import json
+import statistics
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])][1:]  # the first step warms up
+med = lambda key: statistics.median(r[key] for r in rows)
+print(f"{med('tokens_per_s_per_device'):.0f} tokens/s/GPU (sample {med('sample_s'):.2f} s, "
+      f"train {med('train_s'):.2f} s per step, {len(rows)} steps)")
+EOF
+    )"
+fi
+
 # 4. One-line summary from the CSV rows of this check.
 SUMMARY=$(
     python - "$OUT/kernels.csv" "$CSV_START" <<'EOF' 2>/dev/null
@@ -168,4 +199,4 @@ for r in ok:
 print("; ".join(parts))
 EOF
 )
-echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${SUMMARY:-no CSV} | out ${OUT}"
+echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${STEPS} | ${SUMMARY:-no CSV} | out ${OUT}"

@@ -4,8 +4,9 @@
         [--impls eager,torch,cpp,...] [--reps N] [--warmup N] [--scale F] [--out DIR]
 
 Every (case, contender) pair runs in its own subprocess (`--worker`), so each peak-memory figure
-starts from a clean process: on the CPU the growth of ru_maxrss over the worker's baseline taken
-just before the case's inputs exist, on a GPU torch.cuda.max_memory_allocated after a reset.
+starts from a clean process: on the CPU the growth of the peak resident set over the worker's
+resident set just before the case's inputs exist, on a GPU torch.cuda.max_memory_allocated after
+a reset.
 Each worker also measures the ceiling (fp32 GEMM GFLOP/s on the CPU, bf16 8192^3 matmul TFLOP/s
 on a GPU) right after its timed loop: on a shared machine the GEMM rate drifts by 2x within a
 run, and a ceiling taken at the same moment, in the same process, is the honest yardstick. Rates are "GEMM-equivalent": 6 N H V flops (one logits GEMM
@@ -70,10 +71,30 @@ CSV_COLUMNS = (
 # Worker side: one (case, contender) per process.
 
 
-def _rss_mib() -> float:
-    """Peak resident set of this process so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def _proc_status_mib(field: str) -> float | None:
+    """A `kB` field of /proc/self/status in MiB (None where there is no such file)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 2**10 for line in f if line.startswith(field))
+    except (OSError, StopIteration):
+        return None
+
+
+def _ru_maxrss_mib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def _rss_mib() -> float:
+    """Resident set of this process now (Linux: VmRSS; elsewhere the peak, ru_maxrss)."""
+    return _proc_status_mib("VmRSS:") or _ru_maxrss_mib()
+
+
+def _rss_peak_mib() -> float:
+    """Peak resident set of this process (Linux: VmHWM). Not ru_maxrss where VmHWM exists: a
+    child's ru_maxrss starts at its parent's resident set at the fork, so a worker's baseline
+    taken from it can exceed what the worker holds."""
+    return _proc_status_mib("VmHWM:") or _ru_maxrss_mib()
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -157,7 +178,7 @@ def _measure(step, spec: dict, layout: str, device, dtype) -> dict:
     times = sorted(
         _timed(lambda: losses.append(run(x).detach()), spec["reps"], spec["warmup"], cuda)
     )
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_mib()) - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()) - base
     return {
         "status": "ok",
         "N": x.n_trainable,

@@ -398,9 +398,9 @@ def _tiny_cpu() -> Config:
             steps=30,
             lr=1e-4,
             token_budget=8192,
-            warm_start_steps=4000,
-            warm_start_lr=3e-3,
-            warm_start_packs=4,
+            warm_start_steps=2000,
+            warm_start_lr=4e-3,
+            warm_start_packs=8,
         ),
         runtime=RuntimeConfig(device="cpu", run_dir="runs/tiny-cpu", checkpoint_every=500),
     )

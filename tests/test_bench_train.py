@@ -6,6 +6,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 
 from cod_fast.bench import train
 
@@ -41,6 +44,7 @@ def test_tiny_run_prints_json_last_and_appends_csv(tmp_path, capsys, monkeypatch
         assert r["status"] == "ok", r
         # tiny: the peak's growth may round to 0 (the allocator reuses the warm-up's memory)
         assert r["peak_mib"] >= 0 and r["tokens_per_s"] > 0 and r["ceiling_gflops"] > 0
+        assert r["live_peak_mib"] >= 0
         assert r["tokens"] == step["batch"]["tokens"] and r["micro_batches"] >= 2
         assert r["others_cpu"] is None or 0 <= r["others_cpu"] <= 1, r
     assert step["losses_agree"] is True
@@ -62,6 +66,48 @@ def test_tiny_run_prints_json_last_and_appends_csv(tmp_path, capsys, monkeypatch
     with (tmp_path / "prefix_merge.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(train.MERGE_ENVS)
     assert json.loads((tmp_path / "train.json").read_text())["merge"] == summary["merge"]
+
+
+# Blocks freed in the middle of glibc's heap stay resident, so the peak resident set can exceed
+# the peak in use: here 200 MiB of 2 MiB blocks, half freed, then 150 MiB of 3 MiB blocks that
+# fit none of the holes. In use at the peak: 250 MiB; resident with glibc's defaults: ~350.
+_FRAGMENTING = """
+import torch
+from cod_fast.bench.kernels import _rss_mib, _rss_peak_mib
+mib = 2**18
+x = torch.ones(4 * mib); del x  # glibc's adaptive mmap threshold rises to 4 MiB
+base = _rss_mib()
+blocks = [torch.ones(2 * mib) for _ in range(100)]
+del blocks[::2]
+more = [torch.ones(3 * mib) for _ in range(50)]
+print(_rss_peak_mib() - base)
+"""
+
+
+def test_live_malloc_makes_the_peak_resident_set_the_peak_in_use():
+    """Under LIVE_MALLOC (the live-peak workers' environment) the peak resident set's growth
+    is the 250 MiB in use at the peak, not what the heap kept after frees."""
+    env = os.environ | train.LIVE_MALLOC
+    cmd = [sys.executable, "-c", _FRAGMENTING]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    assert 245 <= float(out) <= 265, out
+
+
+def test_csv_written_before_a_column_was_added_is_rewritten_with_it(tmp_path):
+    """Old rows keep their values under the new header; the new column is blank for them."""
+    path = tmp_path / "t.csv"
+    path.write_text("timestamp,commit,a\n1,c1,x\n")
+    table = (("a", "a", ""), ("b", "b", ""))
+    meta = dict.fromkeys(train.META, "m")
+    train._append_csv(path, table, [{"a": "y", "b": "z"}], meta)
+    train._append_csv(path, table, [{"a": "u", "b": "v"}], meta)
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["commit"], r["a"], r["b"]) for r in rows] == [
+        ("c1", "x", ""),
+        ("m", "y", "z"),
+        ("m", "u", "v"),
+    ]
 
 
 def test_cli_forwards_only_the_given_options(monkeypatch):
