@@ -219,11 +219,11 @@ def _worker_main(spec: dict) -> None:
 # Driver side: one subprocess per (case, contender), then the table, CSV and JSON.
 
 
-def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
-    """Run one worker; a failure keeps its output in log_dir/<case>__<contender>.log."""
-    cmd = [sys.executable, "-m", "cod_fast.bench.kernels", "--worker", json.dumps(spec)]
+def run_json_worker(cmd: list[str], timeout: float, log: Path, env: dict | None = None) -> dict:
+    """Run a worker process whose last stdout line is a JSON result; a failure keeps the
+    command and its output in `log` and returns a `failed: ...` status naming it."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"status": f"failed: timed out after {timeout:.0f} s"}
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
@@ -232,12 +232,17 @@ def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
             return json.loads(lines[-1])
         except json.JSONDecodeError:
             pass
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{spec['case']}__{spec['contender']}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     why = err[-1].strip()[:300] if err else f"exit code {proc.returncode}"
     return {"status": f"failed: {why} (log: {log})"}
+
+
+def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
+    """Run one worker; a failure keeps its output in log_dir/<case>__<contender>.log."""
+    cmd = [sys.executable, "-m", "cod_fast.bench.kernels", "--worker", json.dumps(spec)]
+    return run_json_worker(cmd, timeout, log_dir / f"{spec['case']}__{spec['contender']}.log")
 
 
 def _git_commit() -> str:

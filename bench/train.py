@@ -48,7 +48,6 @@ import math
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +63,7 @@ from cod_fast.bench.kernels import (
     _rss_peak_mib,
     _timed,
     measure_ceiling,
+    run_json_worker,
 )
 from cod_fast.config import LossConfig
 from cod_fast.envs import ENVIRONMENTS
@@ -401,17 +401,8 @@ def _run_worker(spec: dict, timeout: float, log_dir: Path, env_extra: dict | Non
     if spec["device"] == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # so the worker's ceiling and timer are the CPU's too
     cmd = [sys.executable, "-m", "cod_fast.bench.train", "--worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": f"failed: timed out after {timeout:.0f} s"}
-    if proc.returncode == 0 and proc.stdout.strip():
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"train_step__{spec['contender']}{'__live' if env_extra else ''}.log"
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-    last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-    return {"status": f"failed: {last[:300]} (log: {log})"}
+    return run_json_worker(cmd, timeout, log, env)
 
 
 # glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its heap, so the
