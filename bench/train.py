@@ -81,6 +81,7 @@ META = ("timestamp", "commit", "machine", "torch", "transformers")
 STEP_TABLE = (
     ("contender", "contender", ""), ("impl", "impl", ""), ("dtype", "dtype", ""),
     ("model", None, ""), ("device", None, ""), ("grad_ckpt", "grad ckpt", ""),
+    ("lean", "lean modules", ""),
     ("tokens", None, ""), ("trainable", None, ""),
     ("sequences", None, ""), ("segments", None, ""), ("micro_batches", None, ""),
     ("median_s", "median s", ".3f"), ("p20_s", "p20 s", ".3f"), ("p80_s", "p80 s", ".3f"),
@@ -196,13 +197,15 @@ def step_batch(shape: StepShape):
     return mbs, aggregation_denominator(LOSS, trainable, segments), stats
 
 
-def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False):
-    """A seeded Qwen3ForCausalLM from a config, with cod-fast's packed attention for `device`
-    (and gradient checkpointing per decoder layer when `grad_ckpt`)."""
+def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False, lean: bool = True):
+    """A seeded Qwen3ForCausalLM from a config, with cod-fast's packed attention for `device`,
+    its memory-lean MLPs and norms unless not `lean` (the trainer's default), and gradient
+    checkpointing per decoder layer when `grad_ckpt`."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from cod_fast.attention import KERNELS, resolve_attn_impl
+    from cod_fast.lean import make_lean
     from cod_fast.model import enable_checkpointing
 
     config = Qwen3Config(
@@ -220,6 +223,8 @@ def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False):
         torch.manual_seed(SEED)
         model = Qwen3ForCausalLM(config)
     model.set_attn_implementation(KERNELS[resolve_attn_impl("auto", device)])
+    if lean:
+        make_lean(model)
     if grad_ckpt:
         enable_checkpointing(model)
     return model.to(device=device, dtype=dtype)
@@ -322,9 +327,10 @@ def _busy_cpu_s() -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def _setup(contender: str, shape: StepShape, device, dtype, grad_ckpt: bool = False):
-    """(model, optimizer, step, batch stats) of one contender, ready to time."""
-    model = build_model(shape, device, dtype, grad_ckpt)
+def _setup(contender: str, shape: StepShape, device, dtype, **modules):
+    """(model, optimizer, step, batch stats) of one contender, ready to time; `modules` go to
+    build_model."""
+    model = build_model(shape, device, dtype, **modules)
     mbs, denominator, stats = step_batch(shape)
     set_rollout_logp(model, mbs, device)
     step, optimizer = make_step(contender, model, mbs, denominator)
@@ -351,7 +357,7 @@ def _step_worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mib()
     model, optimizer, step, stats = _setup(
-        spec["contender"], shape, device, dtype, spec["grad_ckpt"]
+        spec["contender"], shape, device, dtype, grad_ckpt=spec["grad_ckpt"], lean=spec["lean"]
     )
     results: list[tuple[float, float]] = []
     # What the machine's other processes took while we were timed: this benchmark's numbers
@@ -442,6 +448,7 @@ def run_step(shape: StepShape, args, progress) -> dict:
     specs = [
         {"contender": contender, "shape": asdict(shape), "device": args.device}
         | {"reps": args.reps, "warmup": args.warmup, "grad_ckpt": args.grad_ckpt}
+        | {"lean": not args.plain_modules}
         for contender in CONTENDERS
     ]
     # One at a time unless --jobs says otherwise (a smoke test's timings mean nothing).
@@ -450,7 +457,7 @@ def run_step(shape: StepShape, args, progress) -> dict:
     rows = []
     for contender, result in zip(CONTENDERS, results, strict=True):
         rows.append({"contender": contender, "model": shape.describe(), "device": args.device})
-        rows[-1]["grad_ckpt"] = args.grad_ckpt
+        rows[-1] |= {"grad_ckpt": args.grad_ckpt, "lean": not args.plain_modules}
         rows[-1] |= result | {"note": "" if result["status"] == "ok" else result["status"]}
         progress.print(f"step / {contender}: {result['status']}", markup=False, highlight=False)
     section = {"model": shape.describe(), "shape": asdict(shape), "batch": stats, "rows": rows}
@@ -585,6 +592,11 @@ def _parse_args(argv):
     p.add_argument(
         "--grad-ckpt", action="store_true", help="gradient checkpointing per layer (both sides)"
     )
+    p.add_argument(
+        "--plain-modules",
+        action="store_true",
+        help="transformers' own MLPs and norms instead of cod_fast.lean's (both sides)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -617,10 +629,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     shape = replace(
         TINY if args.tiny else StepShape(), **({"tokens": args.tokens} if args.tokens else {})
     )
-    settings = {
-        k: getattr(args, k)
-        for k in ("sections", "reps", "warmup", "packs", "device", "jobs", "grad_ckpt")
-    }
+    names = ("sections", "reps", "warmup", "packs", "device", "jobs", "grad_ckpt", "plain_modules")
+    settings = {k: getattr(args, k) for k in names}
     settings |= {"tiny": args.tiny, "loss": asdict(LOSS), "grad_clip": GRAD_CLIP, "lr": LR}
     summary: dict = {**meta, "settings": settings}
     if "step" in args.sections:

@@ -162,6 +162,9 @@ class ModelConfig(_Config):
     """Attention over packed sequences; `auto` picks the best one installed."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    lean_activations: bool = True
+    """SwiGLU MLPs and RMSNorms (Qwen3, Qwen2, Llama, Mistral) that keep only what their backward
+    needs: about a third less activation memory, the same forward values (cod_fast.lean)."""
     hidden_size: int = 96
     """Builtin models only: width of the residual stream."""
     num_layers: int = 3

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3
 
 from cod_fast.attention import KERNELS, packed_attention_kwargs, resolve_attn_impl
 from cod_fast.config import ModelConfig
+from cod_fast.lean import make_lean
 from cod_fast.packing import MicroBatch
 from cod_fast.tokenizer import char_tokenizer
 
@@ -68,6 +69,8 @@ def load_policy(
             cfg.name_or_path, dtype=dtype, attn_implementation="sdpa"
         )
     model.set_attn_implementation(KERNELS[resolve_attn_impl(cfg.attn_impl, device)])
+    if cfg.lean_activations:
+        make_lean(model)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
     return model.to(device), tokenizer
