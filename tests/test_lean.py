@@ -30,7 +30,7 @@ def forward_backward(model, ids, seed):
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids).logits
     weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed))
-    (logits * weights.to(logits.dtype)).sum().backward()
+    (logits * weights.to(logits.device, logits.dtype)).sum().backward()
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -155,3 +155,15 @@ def test_load_policy_makes_the_model_lean_unless_configured_off(lean):
     layer = model.model.layers[0]
     assert ("forward" in vars(layer.mlp)) == lean
     assert ("forward" in vars(layer.input_layernorm)) == lean
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_lean_on_cuda_matches_the_float64_reference():
+    reference = exact_norms(qwen3())
+    lean = qwen3(torch.float32).cuda()
+    make_lean(lean)
+    ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(8))
+    _, ref_grads = forward_backward(reference, ids, seed=9)
+    _, grads = forward_backward(lean, ids.cuda(), seed=9)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad.cpu().double(), ref_grads[name], rtol=1e-3, atol=1e-4)
