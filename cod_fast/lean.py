@@ -1,4 +1,4 @@
-"""Memory-lean SwiGLU MLP and RMSNorm for Hugging Face decoders (Qwen3, Qwen2, Llama).
+"""Memory-lean SwiGLU MLP and RMSNorm for Hugging Face decoders (Qwen3, Qwen2, Llama, Mistral).
 
 Without gradient checkpointing, a training step's memory beyond the weights is the activations
 autograd saves for the backward pass. transformers' modules save more than the backward needs:
@@ -11,9 +11,10 @@ autograd saves for the backward pass. transformers' modules save more than the b
   `_RMSNorm` keeps x and the [T, 1] reciprocal RMS.
 
 Per token and layer that is 2*I + H + H + (q and k head widths) fewer floats: for the trainer
-benchmark's 4-layer H=512 I=1536 model, 78 KB per token. The forward values are computed by the
-same operations in the same order as transformers', so they are bitwise equal in float32 and
-16-bit dtypes; the gradients agree to rounding (tests compare both against float64).
+benchmark's 4-layer H=512 I=1536 model, 78 KB per token (measured there: 1058 -> 713 MiB for a
+5.3k-token micro-batch, 69 KB per token). The forward values are computed by the same operations
+in the same order as transformers', so they are bitwise equal in float32 and 16-bit dtypes; the
+gradients agree to rounding (tests compare both against float64).
 
 `make_lean(model)` rebinds `forward` of the modules whose code it knows (by class, and only with
 the SiLU activation and no bias); everything else, and every parameter, stays as it was, so
