@@ -198,15 +198,14 @@ def step_batch(shape: StepShape):
 
 
 def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False, lean: bool = True):
-    """A seeded Qwen3ForCausalLM from a config, with cod-fast's packed attention for `device`,
-    its memory-lean MLPs and norms unless not `lean` (the trainer's default), and gradient
-    checkpointing per decoder layer when `grad_ckpt`."""
+    """A seeded Qwen3ForCausalLM from a config, prepared for training as the trainer prepares
+    it: packed attention for `device`, the memory-lean MLPs and norms when `lean` (the
+    trainer's default), gradient checkpointing per decoder layer when `grad_ckpt`."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from cod_fast.attention import KERNELS, resolve_attn_impl
-    from cod_fast.lean import make_lean
-    from cod_fast.model import enable_checkpointing
+    from cod_fast.config import ModelConfig
+    from cod_fast.model import prepare_model
 
     config = Qwen3Config(
         vocab_size=shape.vocab,
@@ -222,11 +221,8 @@ def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False, lean: 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         model = Qwen3ForCausalLM(config)
-    model.set_attn_implementation(KERNELS[resolve_attn_impl("auto", device)])
-    if lean:
-        make_lean(model)
-    if grad_ckpt:
-        enable_checkpointing(model)
+    cfg = ModelConfig(gradient_checkpointing=grad_ckpt, lean_activations=lean)
+    prepare_model(model, cfg, torch.device(device))
     return model.to(device=device, dtype=dtype)
 
 
@@ -357,7 +353,7 @@ def _step_worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mib()
     model, optimizer, step, stats = _setup(
-        spec["contender"], shape, device, dtype, grad_ckpt=spec["grad_ckpt"], lean=spec["lean"]
+        spec["contender"], shape, device, dtype, **spec["modules"]
     )
     results: list[tuple[float, float]] = []
     # What the machine's other processes took while we were timed: this benchmark's numbers
@@ -445,10 +441,10 @@ def run_step(shape: StepShape, args, progress) -> dict:
         f"{stats['segments']} segments, {stats['micro_batches']} micro-batches",
         highlight=False,
     )
+    modules = {"grad_ckpt": args.grad_ckpt, "lean": not args.plain_modules}  # build_model's
     specs = [
         {"contender": contender, "shape": asdict(shape), "device": args.device}
-        | {"reps": args.reps, "warmup": args.warmup, "grad_ckpt": args.grad_ckpt}
-        | {"lean": not args.plain_modules}
+        | {"reps": args.reps, "warmup": args.warmup, "modules": modules}
         for contender in CONTENDERS
     ]
     # One at a time unless --jobs says otherwise (a smoke test's timings mean nothing).
@@ -457,7 +453,7 @@ def run_step(shape: StepShape, args, progress) -> dict:
     rows = []
     for contender, result in zip(CONTENDERS, results, strict=True):
         rows.append({"contender": contender, "model": shape.describe(), "device": args.device})
-        rows[-1] |= {"grad_ckpt": args.grad_ckpt, "lean": not args.plain_modules}
+        rows[-1] |= modules
         rows[-1] |= result | {"note": "" if result["status"] == "ok" else result["status"]}
         progress.print(f"step / {contender}: {result['status']}", markup=False, highlight=False)
     section = {"model": shape.describe(), "shape": asdict(shape), "batch": stats, "rows": rows}

@@ -98,7 +98,7 @@ def _lean_norm_forward(self, hidden_states):
 
 
 def _mlp_is_swiglu(module) -> bool:
-    act = getattr(module.config, "hidden_act", None) if hasattr(module, "config") else None
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
     projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     linear = all(isinstance(p, torch.nn.Linear) and p.bias is None for p in projections)
     return act == "silu" and linear

@@ -68,12 +68,18 @@ def load_policy(
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path, dtype=dtype, attn_implementation="sdpa"
         )
+    prepare_model(model, cfg, device)
+    return model.to(device), tokenizer
+
+
+def prepare_model(model, cfg: ModelConfig, device: torch.device) -> None:
+    """What training on `device` needs from a loaded causal LM, per `cfg`: cod-fast's packed
+    attention kernel, the memory-lean modules, gradient checkpointing."""
     model.set_attn_implementation(KERNELS[resolve_attn_impl(cfg.attn_impl, device)])
     if cfg.lean_activations:
         make_lean(model)
     if cfg.gradient_checkpointing:
         enable_checkpointing(model)
-    return model.to(device), tokenizer
 
 
 def enable_checkpointing(model) -> None:
