@@ -98,6 +98,7 @@ def info() -> None:
         rows.append(("kernel impl chosen", f"{picked} ({why})"))
     except (ValueError, RuntimeError) as e:  # a bad COD_FAST_IMPL is worth showing, not a crash
         rows.append(("kernel impl chosen", f"error: {e}"))
+    rows.append(("sampler (auto)", _auto_sampler(device)))
     for module in OPTIONAL_EXTRAS:  # find_spec, not import: vllm alone takes seconds to import
         present = importlib.util.find_spec(module) is not None
         rows.append((f"extra {module}", "present" if present else "absent"))
@@ -108,6 +109,15 @@ def info() -> None:
     for what, value in rows:
         table.add_row(what, Text(value))  # Text: values are shown as-is, never parsed as markup
     Console().print(table)
+
+
+def _auto_sampler(device: str) -> str:
+    """What `rollout.sampler=auto` picks on this device for the default preset's model."""
+    from cod_fast.rollout.choice import choose_sampler
+
+    model = load_config(DEFAULT_PRESET).model
+    kind, why = choose_sampler("auto", device, model.hidden_size // model.num_heads)
+    return f"{kind} for the {DEFAULT_PRESET} model ({why})"
 
 
 @config_app.command("show")
@@ -145,7 +155,8 @@ def train(
             console.print(Text(dump_yaml(cfg)), highlight=False)
             console.print(
                 f"run dir {cfg.runtime.run_dir}; device {trainer.device}; "
-                f"{trainer.ctx.world_size} process(es); sampler {trainer.sampler_kind}"
+                f"{trainer.ctx.world_size} process(es); sampler {trainer.sampler_kind} "
+                f"({trainer.sampler_reason})"
             )
         summary = _run_with_progress(trainer, resume, console)
     except _run_errors() as e:
@@ -288,6 +299,31 @@ def bench_train(
     options |= {"packs": packs, "device": device, "out": out, "jobs": jobs}
     argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
     train.main(argv + ["--tiny"] * tiny + ["--grad-ckpt"] * grad_ckpt)
+
+
+@bench_app.command("sampler")
+def bench_sampler(
+    sizes: Annotated[
+        str | None, typer.Option(help="Comma-separated model sizes (tiny, small); default both.")
+    ] = None,
+    contenders: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated samplers (torch, generate, vllm, vllm-eager)."),
+    ] = None,
+    reps: Annotated[int | None, typer.Option(help="Timed RL steps of rollouts.")] = None,
+    warmup: Annotated[int | None, typer.Option(help="Untimed steps before timing.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="A Hugging Face model folder instead of the sizes.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for sampler.csv/.json.")] = None,
+) -> None:
+    """Time one RL step's rollouts through the torch sampler, transformers generate and vLLM
+    (cod_fast.bench.sampler)."""
+    from cod_fast.bench import sampler
+
+    options = dict(sizes=sizes, contenders=contenders, reps=reps, warmup=warmup, model=model)
+    options["out"] = out
+    sampler.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]

