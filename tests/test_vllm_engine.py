@@ -97,6 +97,16 @@ def test_seeds_and_stream_state(engine_run):
 
 
 @requires_vllm
+def test_a_call_larger_than_an_engine_step_runs_and_repeats(engine_run):
+    """A call whose prompts exceed one engine step's token budget (4096) runs, seeded requests
+    and all, and repeats itself with the same seed. With chunked prefill on, the CPU engine
+    failed here ("CPU Generator does not use offset")."""
+    run = engine_run["long_batch"]
+    assert run["prompt_tokens"] > 4096
+    assert run["equal"] and all(n >= 1 for n in run["lengths"])
+
+
+@requires_vllm
 def test_weight_push_makes_the_engine_the_new_policy(engine_run):
     """After a training step and a push, the engine's log-probs of a fixed sequence equal the
     new policy's (mean gap under 1e-4) and no longer the old one's; every parameter (the tied

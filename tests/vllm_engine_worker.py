@@ -129,6 +129,21 @@ def seeds(sampler, prompts) -> dict:
     }
 
 
+def long_batch(sampler) -> dict:
+    """One call whose prompts (12 of 400-700 tokens) exceed an engine step's token budget, twice
+    with the same seed: it must run and repeat itself."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(400, 700, (12,), generator=g).tolist()
+    prompts = [torch.randint(3, 60, (n,), generator=g).tolist() for n in lengths]
+    first = sampler.with_seed(41).generate(prompts, [8] * 12)
+    again = sampler.with_seed(41).generate(prompts, [8] * 12)
+    return {
+        "prompt_tokens": sum(lengths),
+        "equal": [a.token_ids for a in first] == [b.token_ids for b in again],
+        "lengths": [len(a.token_ids) for a in first],
+    }
+
+
 def push(sampler, policy, prompts, caps, samples) -> dict:
     """A training step, then the push: the engine should follow the new policy."""
     fixed = prompts[1] + samples[1].token_ids + prompts[2]
@@ -175,6 +190,7 @@ def main(folder: str) -> dict:
     out["sampled"], samples = sampled(sampler, policy, policy64, prompts, caps)
     out["top_p"] = top_p(sampler, model, model64, prompts)
     out["seeds"] = seeds(sampler, prompts)
+    out["long_batch"] = long_batch(sampler)
     out["push"] = push(sampler, policy, prompts, caps, samples)  # last: it changes the weights
     return out
 

