@@ -323,6 +323,22 @@ def _busy_cpu_s() -> float | None:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+class OthersCPU:
+    """The share of all cores that other processes (hypervisor steal included) took from its
+    creation to `share()`: a benchmark's numbers mean little unless it is small."""
+
+    def __init__(self):
+        self.busy, self.own = _busy_cpu_s(), sum(os.times()[:2])
+        self.wall = time.perf_counter()
+
+    def share(self) -> float | None:
+        if self.busy is None:
+            return None
+        others = _busy_cpu_s() - self.busy - (sum(os.times()[:2]) - self.own)
+        capacity = (time.perf_counter() - self.wall) * (os.cpu_count() or 1)
+        return min(1.0, max(0.0, others) / capacity)  # clock ticks: +-10 ms each
+
+
 def _setup(contender: str, shape: StepShape, device, dtype, **modules):
     """(model, optimizer, step, batch stats) of one contender, ready to time; `modules` go to
     build_model."""
@@ -358,13 +374,9 @@ def _step_worker(spec: dict) -> dict:
     results: list[tuple[float, float]] = []
     # What the machine's other processes took while we were timed: this benchmark's numbers
     # only mean something when that share is small.
-    busy, own, wall = _busy_cpu_s(), sum(os.times()[:2]), time.perf_counter()
+    others = OthersCPU()
     times = sorted(_timed(lambda: results.append(step()), spec["reps"], spec["warmup"], cuda))
-    others_cpu = None
-    if busy is not None:
-        others = _busy_cpu_s() - busy - (sum(os.times()[:2]) - own)
-        capacity = (time.perf_counter() - wall) * (os.cpu_count() or 1)
-        others_cpu = min(1.0, max(0.0, others) / capacity)  # clock ticks: +-10 ms each
+    others_cpu = others.share()
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()) - base
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())

@@ -21,7 +21,6 @@ derive from the step, so a resumed run repeats the uninterrupted one exactly on 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import signal
 import time
@@ -70,15 +69,12 @@ from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import choose_sampler
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
-from cod_fast.rollout.hints import HINT_END, HINT_START
 from cod_fast.rollout.vllm_sampler import head_dim
 from cod_fast.run_log import RunLog
-from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer
+from cod_fast.tokenizer import CHATML, char_tokenizer
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
-from cod_fast.warmstart import SFT_LOSS, demonstrations, transcripts
+from cod_fast.warmstart import SFT_LOSS, demonstrations, environment_tokenizer
 
-CORPUS_PACKS = 64
-"""Scripted packs whose transcripts train the `bpe` tokenizer."""
 EVAL_SEED = 7_919
 """The eval sampler's seed is train.seed + this: its own stream, the same at every evaluation."""
 REFERENCE = "reference.safetensors"
@@ -175,15 +171,9 @@ class Trainer:
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(saved)
-        chat = ChatFormat(char_tokenizer(CHATML))
-        packs = make_packs(pack_seeds("corpus", CORPUS_PACKS, cfg.train.seed), 4)
-        # Token caps are meant for the trained vocabulary, not for characters: lift them, or the
-        # corpus would lack the ends of responses and hints.
-        uncapped = dataclasses.replace(
-            self.settings, max_response_tokens=10**6, max_hint_tokens=10**6
+        tokenizer = environment_tokenizer(
+            self.env, self.settings, cfg.model.vocab_size, cfg.train.seed
         )
-        corpus = transcripts(demonstrations(self.env, chat, uncapped, packs), chat)
-        tokenizer = bpe_tokenizer(corpus, cfg.model.vocab_size, whole=[HINT_START, HINT_END])
         if self.ctx.is_main:
             tokenizer.save_pretrained(saved)
         return tokenizer

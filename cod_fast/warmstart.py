@@ -14,16 +14,20 @@ over the tokens is the mean negative log-likelihood. Both phases run through `tr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase
 
 from cod_fast.config import LossConfig
 from cod_fast.envs.base import Agent, Environment
-from cod_fast.envs.packs import PackSpec
+from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver, RunState
-from cod_fast.rollout.hints import hint_block
+from cod_fast.rollout.hints import HINT_END, HINT_START, hint_block
 from cod_fast.rollout.sampler import Sample, text_sample
+from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer
 
 SFT_LOSS = LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.2, agg="token-mean")
 
@@ -82,3 +86,22 @@ def transcripts(rollouts: list[Rollout], chat: ChatFormat) -> list[str]:
         for episode in rollout.episodes
         for turn in episode.turns
     ]
+
+
+CORPUS_PACKS = 64
+"""Scripted packs whose transcripts train a `bpe` tokenizer."""
+
+
+def environment_tokenizer(
+    env: Environment, settings: DriverSettings, vocab_size: int, seed: int
+) -> PreTrainedTokenizerBase:
+    """A byte-pair vocabulary of at most `vocab_size` tokens trained on the scripted explorer's
+    transcripts of `env` (CORPUS_PACKS packs), with the hint markers as whole tokens: what the
+    built-in model's `bpe` tokenizer is. Deterministic given `seed`."""
+    chat = ChatFormat(char_tokenizer(CHATML))
+    packs = make_packs(pack_seeds("corpus", CORPUS_PACKS, seed), 4)
+    # Token caps are meant for the trained vocabulary, not for characters: lift them, or the
+    # corpus would lack the ends of responses and hints.
+    uncapped = dataclasses.replace(settings, max_response_tokens=10**6, max_hint_tokens=10**6)
+    corpus = transcripts(demonstrations(env, chat, uncapped, packs), chat)
+    return bpe_tokenizer(corpus, vocab_size, whole=[HINT_START, HINT_END])
