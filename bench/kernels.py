@@ -239,6 +239,14 @@ def run_json_worker(cmd: list[str], timeout: float, log: Path, env: dict | None 
     return {"status": f"failed: {why} (log: {log})"}
 
 
+def emit_summary(summary: dict, path: Path) -> dict:
+    """Write a benchmark's summary to `path` and print it as the last stdout line (JSON)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
 def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
     """Run one worker; a failure keeps its output in log_dir/<case>__<contender>.log."""
     cmd = [sys.executable, "-m", "cod_fast.bench.kernels", "--worker", json.dumps(spec)]
@@ -480,10 +488,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         "min": min(ceilings),
         "max": max(ceilings),
     }
-    (out / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
     _print_table(summary, cuda)
-    print(json.dumps(summary), flush=True)
-    return summary
+    return emit_summary(summary, out / "kernels.json")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from cod_fast.bench.kernels import (
     _percentile,
     _rss_mib,
     _rss_peak_mib,
+    emit_summary,
     run_json_worker,
 )
 from cod_fast.bench.train import OthersCPU, _append_csv, _print_table
@@ -125,16 +126,14 @@ class GenerateSampler:
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
         import torch
 
+        from cod_fast.rollout.torch_sampler import left_pad
+
         if not prompts:
             return []
         self.calls += 1
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = left_pad(prompts, self.pad_id)
+        width = ids.shape[1]
         was_training = self.model.training
         self.model.eval()
         cuda = [device] if device.type == "cuda" else []
@@ -510,10 +509,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             for r in rows:
                 if r["note"]:
                     print(f"{size} / {r['contender']}: {r['note']}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampler.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary), flush=True)
-    return summary
+    return emit_summary(summary, args.out / "sampler.json")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from cod_fast.bench.kernels import (
     _rss_mib,
     _rss_peak_mib,
     _timed,
+    emit_summary,
     measure_ceiling,
     run_json_worker,
 )
@@ -652,10 +653,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         title = "trainer tokens per CoD rollout, prefix merging vs one sequence per turn"
         title += f" ({args.packs} packs, K={K}, scripted explorer, char tokenizer)"
         _print_table(title, MERGE_TABLE, summary["merge"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary), flush=True)
-    return summary
+    return emit_summary(summary, args.out / "train.json")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,17 @@ def length_buckets(
     return buckets
 
 
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, W], attention mask [B, W]) of the prompts right-aligned to the longest, W."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
 def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """[B, V] float32 log-probs of the sampling distribution: log_softmax(logits / T), then the
     nucleus (the fewest most likely tokens whose mass reaches top_p; the top token always)
@@ -203,12 +214,7 @@ class TorchSampler:
     def _prefill(self, prompts: list[list[int]]):
         """One left-padded batch through the model: (cache, last logits [B, V], mask [B, W],
         next positions [B, 1])."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         # Every prompt's positions start at 0 whatever its padding (pads get 0, and are masked).
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
