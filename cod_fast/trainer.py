@@ -6,8 +6,8 @@ Every step, top to bottom:
   -> packing into micro-batches balanced over the ranks, the step's global denominator
   -> old / reference log-probs where the config asks for them (bypass by default)
   -> fused loss, grad clip, AdamW (cod_fast.train_step; FSDP2 under torchrun)
-  -> the new weights pushed into the sampler (vLLM: gathered bucket by bucket; a torch sampler
-     that shares the training module needs none).
+  -> the new weights pushed into the sampler (vLLM: one reload, gathered one parameter at a
+     time; a torch sampler that shares the training module needs none).
 A warm start of supervised steps on scripted demonstrations can come first (cod_fast.warmstart).
 Held-out eval packs are rolled out before training, after the warm start, every
 `runtime.eval_every` RL steps and at the end, with a sampler of their own fixed seed, so every
