@@ -437,50 +437,84 @@ def envs_play(
 @app.command("eval")
 def eval_command(
     model: Annotated[Path, typer.Option("--model", help="A Hugging Face model folder.")],
-    env: Annotated[str, typer.Option(help="The training environment (in-domain).")] = "frozenlake",
+    env: Annotated[
+        str | None, typer.Option(help="The training environment (in-domain) [frozenlake].")
+    ] = None,
     cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
     ralph: Annotated[bool, typer.Option(help="Also the Ralph-loop pack strategies.")] = False,
-    packs: Annotated[int, typer.Option(help="Eval packs per environment and strategy.")] = 32,
-    tasks: Annotated[int, typer.Option(help="Tasks per pack (K).")] = 4,
-    size: SizeOption = "full",
-    max_response_tokens: Annotated[int, typer.Option(help="Cap per response.")] = 512,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    packs: Annotated[
+        int | None, typer.Option(help="Eval packs per environment and strategy [32].")
+    ] = None,
+    tasks: Annotated[int | None, typer.Option(help="Tasks per pack (K) [4].")] = None,
+    size: Annotated[str | None, typer.Option(help="full (SPEC sizes) or tiny [full].")] = None,
+    setting: Annotated[str | None, typer.Option(help="train or eval (harder) [eval].")] = None,
+    max_response_tokens: Annotated[int | None, typer.Option(help="Cap per response [512].")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature [1].")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold [1].")] = None,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed [0].")] = None,
     out: Annotated[Path, typer.Option(help="Folder for eval.json and eval.png.")] = Path(
         "runs/eval"
     ),
 ) -> None:
-    """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG).
 
+    A model written by `cod-fast export` is evaluated as its run evaluated it (environment,
+    size, eval setting and packs, prompt style, token caps, temperature, seed): with no flag but
+    --model the result is the run's last eval row. A flag overrides one of those, and says so.
+    Other models get the defaults in brackets."""
+    import dataclasses
+
+    import torch
+
+    from cod_fast.config import ModelConfig
     from cod_fast.envs import ENVIRONMENTS
-    from cod_fast.evaluate import EvalPlan, evaluate
+    from cod_fast.evaluate import EvalPlan, eval_defaults, evaluate
+    from cod_fast.export import read_run_config
+    from cod_fast.model import load_policy
     from cod_fast.rollout.chat import ChatFormat
-    from cod_fast.rollout.driver import DriverSettings
     from cod_fast.rollout.torch_sampler import TorchSampler
 
-    _make_env(env, "eval", size)  # a clear error for a bad name before loading the model
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    policy = AutoModelForCausalLM.from_pretrained(model).eval()
-    sampler = TorchSampler(policy, tokenizer, temperature=temperature, seed=seed)
-    envs = (env, *(name for name in ENVIRONMENTS if name != env)) if cross_domain else (env,)
-    strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
-    plan = EvalPlan(envs=envs, strategies=strategies, size=size, packs=packs, tasks=tasks)
-    report = evaluate(
-        sampler,
-        ChatFormat(tokenizer),
-        plan,
-        DriverSettings(max_response_tokens=max_response_tokens),
-        out,
+    try:
+        run = read_run_config(model)
+    except ConfigError as e:
+        Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    base = eval_defaults(run)
+    flags = dict(env=env, size=size, setting=setting, packs=packs, tasks=tasks)
+    flags |= dict(max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p)
+    flags["seed"] = seed
+    given = {k: v for k, v in flags.items() if v is not None}
+    if run is not None:
+        for key, value in given.items():
+            if value != base[key]:
+                typer.echo(f"overriding the run's {key}={base[key]!r} with {value!r}")
+    o = base | given
+    _make_env(o["env"], o["setting"], o["size"])  # a clear error for a bad name before the model
+    model_cfg = ModelConfig() if run is None else run.model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, name_or_path=str(model)), device)
+    sampler = TorchSampler(
+        policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
     )
+    envs = (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
+    strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
+    plan = EvalPlan(
+        envs=envs,
+        strategies=strategies,
+        setting=o["setting"],
+        size=o["size"],
+        packs=o["packs"],
+        tasks=o["tasks"],
+    )
+    settings = dataclasses.replace(o["settings"], max_response_tokens=o["max_response_tokens"])
+    report = evaluate(sampler, ChatFormat(tokenizer), plan, settings, out)
     rows = {
         f"{name} / {strategy}": summary
         for name, by_strategy in report["summaries"].items()
         for strategy, summary in by_strategy.items()
     }
-    _print_positions(
-        f"eval ({size}): mean reward by pack position, {packs} packs", "env / strategy", rows
-    )
+    title = f"eval ({o['setting']}, {o['size']}): mean reward by pack position, {o['packs']} packs"
+    _print_positions(title, "env / strategy", rows)
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")
 
 

@@ -131,8 +131,9 @@ class LossConfig(_Config):
     """Masked IS keeps tokens (or segments) whose ratio is at most this."""
     agg: Aggregation = "token-mean"
     """How per-token losses are reduced; the denominator is fixed for the whole optimizer step."""
-    max_response_len: int = 1024
-    """The fixed response length in the denominator of `seq-mean-token-sum-norm`."""
+    max_response_len: int = 512
+    """The fixed response length in the denominator of `seq-mean-token-sum-norm`; in a run it
+    must equal rollout.max_response_tokens (one limit, two sections)."""
     temperature: float = 1.0
     """Divides the logits in the loss and in the sampler; the only temperature of a run."""
     opd_coef: float = 1.0
@@ -269,12 +270,19 @@ class AlgoConfig(_Config):
     """Discount in (0, 1] for return_style `discounted`; set exactly when that style is used."""
     std_norm: bool = False
     """Divide advantages by the group's standard deviation."""
-    red_weight: bool = True
-    """Adaptive re-weighting that keeps the token-weighted mean advantage >= 0."""
+    red_weight: bool | None = None
+    """Adaptive re-weighting that keeps the token-weighted mean advantage >= 0; null: on for
+    `cod`, off for `task_by_task` (plain GRPO, SPEC.md section 3). `use_red_weight` is the
+    effective value, and `config show` prints it beside the key."""
     old_logp: Literal["bypass", "recompute"] = "bypass"
     """Take the ratio against the sampler's log-probs, or recompute them with the trainer."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss."""
+
+    @property
+    def use_red_weight(self) -> bool:
+        """Whether RED-weight runs: as set, else on for CoD and off for task-by-task."""
+        return self.red_weight if self.red_weight is not None else self.algorithm == "cod"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -373,6 +381,20 @@ class Config(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.algo.loss.policy == "opd":
+            raise ConfigError(
+                "algo.loss.policy",
+                "got 'opd'; expected ppo, rec_one_side or rec_one_side_is: on-policy distillation "
+                "needs teachers' log-probs, which no run produces yet (the loss itself takes "
+                "them through cod_fast.ops.linear_policy_loss(teacher_logp=...))",
+            )
+        cap, norm = self.rollout.max_response_tokens, self.algo.loss.max_response_len
+        if cap != norm:
+            raise ConfigError(
+                "algo.loss.max_response_len",
+                f"got {norm} with rollout.max_response_tokens={cap}; expected the same number: "
+                "both are the longest response of the run; set both",
+            )
         if self.algo.algorithm == "task_by_task" and self.rollout.strategy != "cod":
             raise ConfigError(
                 "rollout.strategy",
@@ -399,7 +421,6 @@ def _tiny_cpu() -> Config:
             prompt_style="compact",
         ),
         algo=AlgoConfig(
-            red_weight=True,
             loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=24),
         ),
         train=TrainConfig(
@@ -415,8 +436,9 @@ def _tiny_cpu() -> Config:
 
 
 def _tiny_cpu_tbt() -> Config:
-    # The task-by-task ablation of tiny-cpu: GRPO per task, no update episodes, no re-weighting.
-    changes = ["algo.algorithm=task_by_task", "algo.red_weight=false", "algo.loss.policy=ppo"]
+    # The task-by-task ablation of tiny-cpu: GRPO per task, no update episodes, no re-weighting
+    # (RED-weight is off for task_by_task unless a config asks for it).
+    changes = ["algo.algorithm=task_by_task", "algo.loss.policy=ppo"]
     return apply_overrides(_tiny_cpu(), [*changes, "runtime.run_dir=runs/tiny-cpu-tbt"])
 
 
@@ -435,7 +457,6 @@ def _qwen3_1_7b() -> Config:
             sampler="vllm",
         ),
         algo=AlgoConfig(
-            red_weight=True,
             loss=LossConfig(
                 policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=2048
             ),
@@ -586,5 +607,12 @@ def load_config(
 
 
 def dump_yaml(cfg: Config) -> str:
-    """The config as YAML that ``load_config(path=...)`` reads back to an equal config."""
-    return yaml.dump(to_dict(cfg), Dumper=_YamlDumper, sort_keys=False)
+    """The config as YAML that ``load_config(path=...)`` reads back to an equal config; a key
+    left null to mean "the default for this run" carries its effective value as a comment."""
+    text = yaml.dump(to_dict(cfg), Dumper=_YamlDumper, sort_keys=False)
+    if cfg.algo.red_weight is None:
+        effective = str(cfg.algo.use_red_weight).lower()
+        text = text.replace(
+            "  red_weight: null\n", f"  red_weight: null  # effective: {effective}\n"
+        )
+    return text

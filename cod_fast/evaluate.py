@@ -3,6 +3,10 @@
 In-domain is the eval setting of the training environment; cross-domain the other
 environments; the Ralph loop the `ralph_sample` and `ralph_full` pack strategies. Eval pack seeds
 are stable (`pack_seeds("eval", n)`), so every checkpoint sees the same packs.
+
+A run evaluates with `run_eval_plan` and `run_eval_sampling` of its config, and so does
+`cod-fast eval` of a model exported from it: the same packs, settings and sampling noise, so the
+two agree.
 """
 
 from __future__ import annotations
@@ -11,12 +15,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from cod_fast.config import Config
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.metrics import PositionSummary, plot_positions, summarize_rollouts
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.sampler import Sampler
+
+EVAL_SEED = 7_919
+"""A run's eval sampler seed is train.seed + this: its own stream, the same at every evaluation."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,57 @@ class EvalPlan:
     size: str = "full"
     packs: int = 32
     tasks: int = 4
+
+
+def run_eval_plan(cfg: Config) -> EvalPlan:
+    """A run's held-out evaluation: its environment's eval packs at its size and eval setting."""
+    rollout = cfg.rollout
+    return EvalPlan(
+        envs=(rollout.env,),
+        setting=rollout.eval_setting,
+        size=rollout.env_size,
+        packs=rollout.eval_packs,
+        tasks=rollout.tasks_per_pack,
+    )
+
+
+def run_eval_sampling(cfg: Config) -> dict[str, float | int]:
+    """The eval sampler's temperature, top_p and seed for a run."""
+    temperature = cfg.rollout.eval_temperature or cfg.algo.loss.temperature
+    return {
+        "temperature": temperature,
+        "top_p": cfg.rollout.top_p,
+        "seed": cfg.train.seed + EVAL_SEED,
+    }
+
+
+def eval_defaults(cfg: Config | None) -> dict:
+    """What `cod-fast eval` uses where no flag says otherwise: for a model exported from a run
+    (`cfg`, its resolved config) the run's own evaluation; for any other model fixed defaults."""
+    if cfg is None:
+        return {
+            "env": "frozenlake",
+            "size": "full",
+            "setting": "eval",
+            "packs": 32,
+            "tasks": 4,
+            "max_response_tokens": 512,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "seed": 0,
+            "settings": DriverSettings(),
+        }
+    plan = run_eval_plan(cfg)
+    return {
+        "env": plan.envs[0],
+        "size": plan.size,
+        "setting": plan.setting,
+        "packs": plan.packs,
+        "tasks": plan.tasks,
+        "max_response_tokens": cfg.rollout.max_response_tokens,
+        **run_eval_sampling(cfg),
+        "settings": DriverSettings.from_config(cfg),
+    }
 
 
 def evaluate(

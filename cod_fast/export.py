@@ -3,7 +3,9 @@
 The folder (config, safetensors weights, tokenizer) loads with `from_pretrained` anywhere,
 vLLM and `cod-fast eval` included. The model is rebuilt from the run's own config.yaml (the
 built-in model from its sizes and the run's tokenizer), then given the checkpoint's weights, and
-saved with the standard SDPA attention, so nothing of cod-fast is needed to load it.
+saved with the standard SDPA attention, so nothing of cod-fast is needed to load it. Beside it
+lies the run's resolved config (RUN_CONFIG): `cod-fast eval --model DIR` reads it and evaluates
+with the run's own packs, settings and sampling noise.
 """
 
 from __future__ import annotations
@@ -13,10 +15,19 @@ from pathlib import Path
 import torch
 
 from cod_fast.checkpoint import Checkpoint, latest_checkpoint, read_model_state
-from cod_fast.config import load_config
+from cod_fast.config import Config, dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
 from cod_fast.model import BUILTIN_TINY, load_policy
 from cod_fast.policy import Policy
+
+RUN_CONFIG = "cod_fast_run.yaml"
+"""The run's resolved config, in an exported model folder."""
+
+
+def read_run_config(folder: str | Path) -> Config | None:
+    """The config of the run a model folder was exported from, or None for any other model."""
+    path = Path(folder) / RUN_CONFIG
+    return load_config(path=str(path)) if path.exists() else None
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
@@ -56,4 +67,5 @@ def export_model(run_dir: str | Path, out: str | Path, step: int | None = None) 
     model.set_attn_implementation("sdpa")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    (out / RUN_CONFIG).write_text(dump_yaml(cfg))
     return ckpt

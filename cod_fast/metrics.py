@@ -6,6 +6,7 @@ CoD gain is the mean reward at the last position minus the mean reward at positi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,9 @@ class PositionSummary:
     success_rate: list[float] | None
     """Share of solved tasks per position, where the environment reports success."""
     num_packs: int
+    std_error: list[float] | None = None
+    """Standard error of each position's mean over the packs (sample std / sqrt(n)); None for a
+    curve that is not a mean over packs."""
 
     @property
     def cod_gain(self) -> float:
@@ -32,6 +36,7 @@ class PositionSummary:
             "success_rate": self.success_rate,
             "cod_gain": self.cod_gain,
             "num_packs": self.num_packs,
+            "std_error": self.std_error,
         }
 
 
@@ -45,11 +50,18 @@ def summarize(
     if len(lengths) != 1:
         raise ValueError(f"every pack must have the same number of positions, got {lengths}")
     (k,) = lengths
-    mean = [sum(row[i] for row in rewards) / len(rewards) for i in range(k)]
+    n = len(rewards)
+    mean = [sum(row[i] for row in rewards) / n for i in range(k)]
+    var = [sum((row[i] - mean[i]) ** 2 for row in rewards) / max(n - 1, 1) for i in range(k)]
     rate = None
     if successes and all(s is not None for row in successes for s in row):
         rate = [sum(bool(row[i]) for row in successes) / len(successes) for i in range(k)]
-    return PositionSummary(mean_reward=mean, success_rate=rate, num_packs=len(rewards))
+    return PositionSummary(
+        mean_reward=mean,
+        success_rate=rate,
+        num_packs=n,
+        std_error=[math.sqrt(v / n) for v in var],
+    )
 
 
 def summarize_rollouts(rollouts: Sequence[Rollout]) -> PositionSummary:
@@ -73,14 +85,18 @@ def plot_positions(curves: dict[str, PositionSummary], path: str | Path, title: 
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for label, summary in curves.items():
-        xs = range(len(summary.mean_reward))
-        ax.plot(
-            xs,
+        packs = f", n={summary.num_packs}" if summary.num_packs else ""
+        ax.errorbar(
+            range(len(summary.mean_reward)),
             summary.mean_reward,
+            yerr=summary.std_error,
             marker="o",
-            label=f"{label} (gain {summary.cod_gain:+.2f}, n={summary.num_packs})",
+            capsize=3,
+            label=f"{label} (gain {summary.cod_gain:+.2f}{packs})",
         )
-    ax.set_xlabel("position in pack")
+    positions = max((len(c.mean_reward) for c in curves.values()), default=0)
+    ax.set_xticks(range(positions))  # positions are tasks: integers only
+    ax.set_xlabel("position in pack (error bars: one standard error over packs)")
     ax.set_ylabel("mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)

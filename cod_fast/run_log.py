@@ -108,16 +108,22 @@ class RunLog:
         """Reward by pack position: the mean of the last few training steps, and each eval."""
         self.plotted_at = time.monotonic()
         curves: dict[str, PositionSummary] = {}
-        recent = [r for r in _read_jsonl(self.metrics_path) if "reward_by_position" in r]
-        recent = recent[-RECENT_STEPS:]
+        steps = [r for r in _read_jsonl(self.metrics_path) if "reward_by_position" in r]
+        # The latest phase only: warm-start steps show the scripted explorer, not the policy.
+        phase = steps[-1].get("phase") if steps else None
+        recent = [r for r in steps if r.get("phase") == phase][-RECENT_STEPS:]
         if recent:
             rows = [r["reward_by_position"] for r in recent]
             mean = [sum(col) / len(col) for col in zip(*rows, strict=True)]
-            label = f"train, steps {recent[0]['step']}-{recent[-1]['step']}"
+            what = "warm-start demonstrations" if phase == "warm_start" else "training rollouts"
+            label = f"{what}, steps {recent[0]['step']}-{recent[-1]['step']}"
             curves[label] = PositionSummary(mean_reward=mean, success_rate=None, num_packs=0)
         for r in self.evaluations():
             curves[f"eval: {r['label']} (step {r['step']})"] = PositionSummary(
-                mean_reward=r["mean_reward"], success_rate=None, num_packs=r["num_packs"]
+                mean_reward=r["mean_reward"],
+                success_rate=None,
+                num_packs=r["num_packs"],
+                std_error=r.get("std_error"),  # absent in runs written before it existed
             )
         if curves and all(not any(map(math.isnan, c.mean_reward)) for c in curves.values()):
             plot_positions(curves, self.dir / "rewards.png", "reward by pack position")

@@ -58,7 +58,7 @@ from cod_fast.distributed import (
 )
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
-from cod_fast.evaluate import EvalPlan, evaluate
+from cod_fast.evaluate import evaluate, run_eval_plan, run_eval_sampling
 from cod_fast.metrics import summarize_rollouts
 from cod_fast.model import BUILTIN_TINY, load_policy
 from cod_fast.ops import aggregation_denominator
@@ -75,8 +75,6 @@ from cod_fast.tokenizer import CHATML, char_tokenizer
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
 from cod_fast.warmstart import SFT_LOSS, demonstrations, environment_tokenizer
 
-EVAL_SEED = 7_919
-"""The eval sampler's seed is train.seed + this: its own stream, the same at every evaluation."""
 REFERENCE = "reference.safetensors"
 """The KL reference's weights in the run directory."""
 
@@ -133,8 +131,7 @@ class Trainer:
             self.run_dir, enabled=self.ctx.is_main, tensorboard=cfg.runtime.tensorboard
         )
         self.env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
-        mode = "task_by_task" if cfg.algo.algorithm == "task_by_task" else "cod"
-        self.settings = DriverSettings.from_config(cfg.rollout, mode)
+        self.settings = DriverSettings.from_config(cfg)
         self.warm_steps = cfg.train.warm_start_steps
         self.total_steps = self.warm_steps + cfg.train.steps
         torch.manual_seed(cfg.train.seed)
@@ -193,8 +190,9 @@ class Trainer:
         training stream differs per rank."""
         cfg = self.cfg
         temperature, top_p = cfg.algo.loss.temperature, cfg.rollout.top_p
-        eval_temperature = cfg.rollout.eval_temperature or temperature
-        seed, eval_seed = cfg.train.seed + 1_000 * self.ctx.rank, cfg.train.seed + EVAL_SEED
+        sampling = run_eval_sampling(cfg)
+        eval_temperature, eval_seed = sampling["temperature"], sampling["seed"]
+        seed = cfg.train.seed + 1_000 * self.ctx.rank
         if self.sampler_kind == "vllm":
             from cod_fast.rollout.vllm_sampler import VLLMSampler
 
@@ -468,13 +466,7 @@ class Trainer:
         if cfg.rollout.eval_packs == 0:
             return
         if self.ctx.is_main:
-            plan = EvalPlan(
-                envs=(cfg.rollout.env,),
-                setting=cfg.rollout.eval_setting,
-                size=cfg.rollout.env_size,
-                packs=cfg.rollout.eval_packs,
-                tasks=cfg.rollout.tasks_per_pack,
-            )
+            plan = run_eval_plan(cfg)
             stream = self.eval_sampler.state_dict()
             report = evaluate(self.eval_sampler, self.chat, plan, self.settings)
             self.eval_sampler.load_state_dict(stream)

@@ -54,7 +54,7 @@ def test_default_preset_is_tiny_cpu_and_load_config_uses_it():
 def test_task_by_task_preset_differs_from_tiny_cpu_only_in_the_algorithm():
     """tiny-cpu-tbt is tiny-cpu with task_by_task, plain ppo and no re-weighting."""
     cod, tbt = PRESETS["tiny-cpu"](), PRESETS["tiny-cpu-tbt"]()
-    assert (tbt.algo.algorithm, tbt.algo.red_weight, tbt.algo.loss.policy) == (
+    assert (tbt.algo.algorithm, tbt.algo.use_red_weight, tbt.algo.loss.policy) == (
         "task_by_task",
         False,
         "ppo",
@@ -257,3 +257,40 @@ def test_missing_file_and_unknown_preset_are_config_errors(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(preset="huge-gpu")
     assert all(name in str(info.value) for name in ["'huge-gpu'", *PRESETS])
+
+
+def test_red_weight_defaults_by_algorithm_and_shows_its_effective_value():
+    """RED-weight left null is on for CoD and off for task-by-task (plain GRPO, SPEC.md 3), an
+    explicit value wins, and the YAML shows the effective value and reads back equal."""
+    cod = load_config("tiny-cpu")
+    tbt = load_config("tiny-cpu", overrides=["algo.algorithm=task_by_task"])
+    forced = load_config(
+        "tiny-cpu", overrides=["algo.algorithm=task_by_task", "algo.red_weight=true"]
+    )
+    assert (cod.algo.use_red_weight, tbt.algo.use_red_weight, forced.algo.use_red_weight) == (
+        True,
+        False,
+        True,
+    )
+    assert "red_weight: null  # effective: false" in dump_yaml(tbt)
+    assert "red_weight: null  # effective: true" in dump_yaml(cod)
+    assert "red_weight: true\n" in dump_yaml(forced)
+    for cfg in (cod, tbt, forced):
+        assert from_dict(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+def test_opd_is_refused_for_runs_until_teachers_exist():
+    """A run config with the distillation loss is refused before any compute, naming why; the
+    loss config alone (library use, teacher log-probs passed by hand) still builds."""
+    assert "teachers' log-probs" in _error(["algo.loss.policy=opd"])
+    assert LossConfig(policy="opd").policy == "opd"
+
+
+def test_response_caps_of_rollout_and_loss_must_agree():
+    """rollout.max_response_tokens and algo.loss.max_response_len are one limit: a config where
+    they differ is refused naming both; set together they pass."""
+    message = _error(["rollout.max_response_tokens=64"])
+    assert "algo.loss.max_response_len" in message and "max_response_tokens=64" in message
+    both = ["rollout.max_response_tokens=64", "algo.loss.max_response_len=64"]
+    assert load_config(overrides=both).algo.loss.max_response_len == 64
+    assert Config().algo.loss.max_response_len == Config().rollout.max_response_tokens

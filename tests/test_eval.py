@@ -51,3 +51,44 @@ def test_eval_command_writes_json_and_plot(tiny_model_dir, tmp_path):
     assert len(rows["cod"]["mean_reward"]) == 2 and "cod_gain" in rows["cod"]
     assert rows["ralph_full"]["num_packs"] == 4  # each of 2 packs expands into K = 2 packs
     assert (out / "eval.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_exported_run_evaluates_exactly_as_its_last_eval_row(tmp_path):
+    """Train (a short warm start that reaches non-zero rewards, two RL steps), export, then
+    `cod-fast eval --model DIR` with no other flag: the run's own env, size, eval setting, eval
+    packs, prompt style, caps, temperature and seed, so eval.json equals the run's final
+    eval.jsonl row exactly. A flag overrides one setting and says so."""
+    from cod_fast.export import RUN_CONFIG
+
+    run, hf, out = tmp_path / "run", tmp_path / "hf", tmp_path / "eval"
+    sets = [
+        "model.num_layers=2",
+        "rollout.eval_packs=16",
+        "rollout.packs_per_step=2",
+        "rollout.group_size=2",
+        "train.warm_start_steps=100",
+        "train.warm_start_warmup=10",
+        "train.steps=2",
+        f"runtime.run_dir={run}",
+    ]
+    runner = CliRunner()
+    trained = runner.invoke(app, ["train", *(a for s in sets for a in ("--set", s))])
+    assert trained.exit_code == 0, trained.output
+    assert runner.invoke(app, ["export", str(run), "--out", str(hf)]).exit_code == 0
+    assert (hf / RUN_CONFIG).exists()
+
+    result = runner.invoke(app, ["eval", "--model", str(hf), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "overriding" not in result.output
+    last = json.loads((run / "eval.jsonl").read_text().splitlines()[-1])
+    assert last["label"] == "end" and max(last["mean_reward"]) > 0  # something to reproduce
+    got = json.loads((out / "eval.json").read_text())
+    assert (got["setting"], got["size"], got["packs"]) == ("train", "tiny", 16)
+    assert got["results"]["frozenlake"]["cod"] == {
+        k: last[k] for k in got["results"]["frozenlake"]["cod"]
+    }
+
+    other = runner.invoke(app, ["eval", "--model", str(hf), "--setting", "eval", "--out", str(out)])
+    assert other.exit_code == 0, other.output
+    assert "overriding the run's setting='train' with 'eval'" in other.output

@@ -157,11 +157,18 @@ def test_environment_error_and_cut_responses_stay_in_their_episode():
 def test_length_penalty_from_config():
     """rollout.length_penalty is subtracted from an episode whose response was cut; the driver
     settings come from the rollout config."""
-    from cod_fast.config import RolloutConfig
+    from cod_fast.config import load_config
 
-    settings = DriverSettings.from_config(
-        RolloutConfig(max_response_tokens=1, length_penalty=0.5, env_timeout_s=None), "cod"
+    cfg = load_config(
+        "tiny-cpu",
+        overrides=[
+            "rollout.max_response_tokens=1",
+            "algo.loss.max_response_len=1",
+            "rollout.length_penalty=0.5",
+            "rollout.env_timeout_s=null",
+        ],
     )
+    settings = DriverSettings.from_config(cfg)
     assert settings.max_response_tokens == 1 and settings.env_timeout_s is None
     chat = ChatFormat(char_tokenizer(CHATML))
     driver = RolloutDriver(GuessEnv(), TextPolicySampler(guess_policy, chat), chat, settings)
@@ -175,6 +182,23 @@ def test_task_by_task_advantages_assigned_per_task():
     rollouts, _ = run_guess(mode="task_by_task")
     assign_advantages(rollouts, AlgoConfig(algorithm="task_by_task", red_weight=False))
     assert all(e.advantage == 0.0 for r in rollouts for e in r.episodes)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "setting", "runs"),
+    [("cod", None, True), ("task_by_task", None, False), ("task_by_task", True, True)],
+)
+def test_red_weight_runs_by_default_for_cod_only(monkeypatch, algorithm, setting, runs):
+    """RED-weight left unset runs for CoD and not for the task-by-task baseline (plain GRPO,
+    SPEC.md 3); asked for explicitly, it runs for task-by-task too."""
+    import cod_fast.algo.assign as assign
+
+    calls = []
+    monkeypatch.setattr(assign, "red_weight", lambda a, n: calls.append(1) or (a, None))
+    mode = "task_by_task" if algorithm == "task_by_task" else "cod"
+    rollouts, _ = run_guess(mode=mode)
+    assign_advantages(rollouts, AlgoConfig(algorithm=algorithm, red_weight=setting))
+    assert bool(calls) == runs
 
 
 def test_hanging_environment_times_out_alone():

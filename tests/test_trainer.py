@@ -32,6 +32,7 @@ FAST = [
     "rollout.group_size=2",
     "rollout.eval_packs=2",
     "rollout.max_response_tokens=12",
+    "algo.loss.max_response_len=12",
     "train.warm_start_steps=2",
     "train.warm_start_packs=2",
     "train.steps=2",

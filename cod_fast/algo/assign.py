@@ -59,7 +59,7 @@ def assign_advantages(rollouts: list[Rollout], algo: AlgoConfig) -> float | None
             for g, rollout in enumerate(group):
                 for episode in _episodes(rollout, kind):
                     episode.advantage = float(advantages[g, episode.task_index])
-    if not algo.red_weight:
+    if not algo.use_red_weight:
         return None
     episodes = [e for r in rollouts for e in r.episodes if e.advantage is not None]
     adv = torch.tensor([e.advantage for e in episodes], dtype=torch.float64)

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cod_fast.config import RolloutConfig
+from cod_fast.config import Config
 from cod_fast.envs.base import Environment, Task
 from cod_fast.envs.packs import PackSpec
 from cod_fast.records import Episode, Rollout, Turn
@@ -94,15 +94,17 @@ class DriverSettings:
     """The wording of the prompts (cod_fast.rollout.prompts); `compact` suits tiny models."""
 
     @classmethod
-    def from_config(
-        cls, rollout: RolloutConfig, mode: Literal["cod", "task_by_task"]
-    ) -> DriverSettings:
+    def from_config(cls, cfg: Config) -> DriverSettings:
+        """The one way a run's config becomes driver settings (training, evaluation, export and
+        `cod-fast eval` of an exported run all use it): the rollout section, and the mode from
+        the algorithm."""
+        rollout = cfg.rollout
         return cls(
             max_response_tokens=rollout.max_response_tokens,
             max_hint_tokens=rollout.max_hint_tokens,
             min_hint_chars=rollout.min_hint_chars,
             hint_penalty=rollout.hint_penalty,
-            mode=mode,
+            mode="task_by_task" if cfg.algo.algorithm == "task_by_task" else "cod",
             error_reward=rollout.env_error_reward,
             env_timeout_s=rollout.env_timeout_s,
             length_penalty=rollout.length_penalty,
