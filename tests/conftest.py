@@ -1,7 +1,12 @@
-"""Test-session set-up: without CUDA, Triton kernels run under its interpreter.
+"""Test-session set-up: without CUDA, Triton kernels run under its interpreter; the `gpu`
+marker skips a test on a machine without CUDA.
 
 TRITON_INTERPRET must be set before triton or cod_fast.kernels is imported (@triton.jit reads
 it when a kernel module loads), so it is set here, before any test module is collected.
+
+Tiers (pyproject.toml): `slow` marks tests of a second or more (training runs, benchmarks, the
+real vLLM engine, several processes, statistical checks of the environments' explorers);
+`python -m pytest -m "not slow"` is the quick tier for the edit loop, CI runs everything.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
@@ -33,3 +39,8 @@ def _numpy_compat_for_interpreter() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _numpy_compat_for_interpreter()
+
+
+def pytest_runtest_setup(item) -> None:
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")

@@ -54,7 +54,7 @@ def worst(a, b):
             "cuda",
             torch.bfloat16,
             2e-2,
-            marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU"),
+            marks=pytest.mark.gpu,
         ),
     ],
 )

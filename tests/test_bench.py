@@ -6,8 +6,12 @@ import csv
 import json
 import math
 
+import pytest
+
 from cod_fast.bench import kernels
 from cod_fast.ops.dispatch import is_available
+
+pytestmark = pytest.mark.slow  # runs, processes or benchmarks: seconds each
 
 
 def _cpp_available() -> bool:

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from cod_fast.bench import train
 
 
@@ -24,6 +26,7 @@ def test_default_step_batch_is_cod_shaped():
     assert denominator == stats["trainable"]  # token-mean over the whole step
 
 
+@pytest.mark.slow
 def test_tiny_run_prints_json_last_and_appends_csv(tmp_path, capsys, monkeypatch):
     """Both sections land in the last stdout line (one JSON object) and in their CSVs; the two
     contenders' first-step losses and gradient norms agree (same batch, same initial weights);
@@ -84,6 +87,7 @@ print(_rss_peak_mib() - base)
 """
 
 
+@pytest.mark.slow
 def test_live_malloc_makes_the_peak_resident_set_the_peak_in_use():
     """Under LIVE_MALLOC (the live-peak workers' environment) the peak resident set's growth
     is the 250 MiB in use at the peak, not what the heap kept after frees."""

@@ -23,7 +23,7 @@ def test_cuda_kernels_compile(tmp_path):
     )  # cached by content hash
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("policy", [0, 1, 2, 3])
 @pytest.mark.parametrize("kl", [0, 3])
 def test_cuda_head_matches_torch_head(policy, kl):
@@ -61,7 +61,7 @@ def test_cuda_head_matches_torch_head(policy, kl):
         torch.testing.assert_close(a, b.to(a.dtype).expand_as(a), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_cuda_segment_mean_matches_torch():
     """Segment sums over warp-crossing, unsorted and single-token runs equal index_add."""
     seg = torch.tensor([0] * 45 + [2] * 1 + [1] * 70 + [0] * 3 + [3] * 33, device="cuda")

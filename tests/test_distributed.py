@@ -34,6 +34,8 @@ from cod_fast.distributed import (
 from tests import dist_worker
 from tests.dist_worker import GRAD_CLIP, NEXT_STEP, STEPS, fresh, step_batch, train
 
+pytestmark = pytest.mark.slow  # runs, processes or benchmarks: seconds each
+
 WORKER_TIMEOUT_S = 240
 FP32 = {"atol": 1e-5, "rtol": 1.3e-6}
 SMALL, SMALL_NEXT = (11, 2, 4096), (12, 2, 4096)  # one-micro-batch steps for in-process tests

@@ -106,6 +106,7 @@ GAIN = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting,size", CONFIGS)
 def test_explorer_shows_the_cod_effect(setting, size):
     """With hints the explorer's reward at the last position is clearly above position 0; with

@@ -219,6 +219,7 @@ def test_solver_always_reaches_the_goal(size, setting):
         assert play_pack(env, env.solver(), pack_seed, K).rewards == [1.0] * K
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("size", "setting"), COMBOS)
 def test_explorer_gains_with_hints_and_not_without(size, setting):
     """The CoD effect: over 400 packs the explorer's mean reward at position 3 exceeds position 0

@@ -224,6 +224,7 @@ def test_solver_succeeds_and_bounds_the_explorer(size, setting):
     assert np.mean(rewards) >= 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("size", "setting"), COMBOS)
 def test_explorer_gains_with_hints_and_not_without(size, setting):
     """The CoD effect, a cost reduction here: over 200 packs the explorer's mean reward at

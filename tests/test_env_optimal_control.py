@@ -109,6 +109,7 @@ def test_solver_reaches_high_reward(setting, size, floor):
     assert rewards.mean() >= floor
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", ["tiny", "full"])
 def test_explorer_shows_the_cod_effect(size):
     """With hints the explorer identifies (a, b) from one task's transitions and the last

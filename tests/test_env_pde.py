@@ -133,6 +133,7 @@ def test_solver_scores_one(setting, size):
     assert all(all(r.successes) for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("size", "tasks", "margin"), [("tiny", 4, 0.05), ("full", 6, 0.07)])
 def test_explorer_shows_the_cod_effect(size, tasks, margin):
     """With hints (support and pooled coefficients) the explorer's last position beats

@@ -122,6 +122,7 @@ def test_solver_finishes_early(setting, size):
     assert sum(rewards) / len(rewards) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting,size", CONFIGS)
 def test_explorer_shows_the_cod_effect(setting, size):
     """Measured: with hints 0.5 at position 0 (the `uname` probe makes it late) then 1.0; without

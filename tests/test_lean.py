@@ -157,7 +157,7 @@ def test_load_policy_makes_the_model_lean_unless_configured_off(lean):
     assert ("forward" in vars(layer.input_layernorm)) == lean
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_lean_on_cuda_matches_the_float64_reference():
     reference = exact_norms(qwen3())
     lean = qwen3(torch.float32).cuda()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import pytest
 import torch
@@ -94,6 +95,15 @@ def impls_under_test():
     return impls + [name for name in ("cpp", "triton") if is_available(name)]
 
 
+def impl_params():
+    """impls_under_test as parameters; Triton under the interpreter (seconds) is `slow`."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return [
+        pytest.param(name, marks=pytest.mark.slow) if name == "triton" and interpreted else name
+        for name in impls_under_test()
+    ]
+
+
 def run_both(case, cfg, bypass, dtype=torch.float32, impl="torch", **kw):
     """(fast loss, logp, grads) with `impl`, and the float64 / same-dtype eager ones."""
     logps = dict(
@@ -158,7 +168,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setitem(chunked.CHUNK_BYTES, "cpu", 507 * 4 * 5)
 
 
-@pytest.mark.parametrize("impl", impls_under_test())
+@pytest.mark.parametrize("impl", impl_params())
 @pytest.mark.parametrize("bypass", [False, True], ids=["old", "bypass"])
 @pytest.mark.parametrize(
     "cfg",
@@ -174,6 +184,7 @@ def test_policy_loss_matches_float64(cfg, bypass, impl, small_chunks):
     check_all(results)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(
     policy=st.sampled_from(["ppo", "rec_one_side", "rec_one_side_is", "opd"]),
@@ -211,7 +222,7 @@ def test_policy_loss_random_options(
         check_all(run_both(case, cfg, bypass=False, impl=impl))
 
 
-@pytest.mark.parametrize("impl", impls_under_test())
+@pytest.mark.parametrize("impl", impl_params())
 def test_micro_batches_with_global_denominator_sum_to_one_call(impl):
     """Splitting a step into micro-batches of whole segments and passing the step's denominator
     gives the same summed loss and gradients as one call, for every aggregation and impl."""
@@ -271,7 +282,7 @@ def one_token(logp_old, adv, cfg, ref=None):
     )
 
 
-@pytest.mark.parametrize("impl", impls_under_test())
+@pytest.mark.parametrize("impl", impl_params())
 def test_sampler_gap_metrics_match_float64(impl, small_chunks):
     """The sampler/trainer gap metrics (mean and max |logp - roll|, the fraction of ratios
     outside the MIS bounds) equal those of float64 log-probs, for every implementation; the
@@ -466,7 +477,7 @@ def test_switch_codes_agree_across_implementations():
     assert rows.KL_CODES == loss_head.KL_CODES
 
 
-@pytest.mark.parametrize("impl", impls_under_test())
+@pytest.mark.parametrize("impl", impl_params())
 def test_nan_input_rows_give_nan_not_numbers(impl, small_chunks):
     """A NaN in one hidden row (documented behaviour): that row's log-prob is NaN, the other
     rows are untouched, and the loss is NaN, so a NaN is never turned into a plausible number."""

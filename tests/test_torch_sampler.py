@@ -368,7 +368,7 @@ def test_bad_inputs_are_rejected(model, tokenizer, bad_prompts, caps, match):
     assert sampler.calls == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 def test_cuda_model_gets_a_cuda_generator(model, tokenizer, prompts):
     """On a CUDA model the generator is a CUDA one and the log-probs still match the forward
     pass; the state dict still resumes the same samples."""

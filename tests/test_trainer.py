@@ -19,6 +19,8 @@ from cod_fast.config import load_config
 from cod_fast.train_step import NonFiniteError
 from cod_fast.trainer import RunDirError, Trainer
 
+pytestmark = pytest.mark.slow  # runs, processes or benchmarks: seconds each
+
 runner = CliRunner()
 
 # A few seconds per run: a one-layer model, two packs of two members, two warm-start and two RL

@@ -7,11 +7,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cod_fast.checkpoint import Checkpoint, latest_checkpoint, read_model_state
 from cod_fast.trainer import Trainer
 from tests.test_trainer import FAST, config
+
+pytestmark = pytest.mark.slow  # runs, processes or benchmarks: seconds each
 
 
 def torchrun_train(run_dir, *overrides: str) -> subprocess.CompletedProcess:

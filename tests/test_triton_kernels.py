@@ -36,6 +36,8 @@ if not ON_GPU and not isinstance(
     )
 
 DEVICE = "cuda" if ON_GPU else "cpu"
+# Under the interpreter every kernel call runs as Python per block: seconds per test in all.
+pytestmark = [] if ON_GPU else [pytest.mark.slow]
 # Under the interpreter, masked lanes compute 0 * -inf or log(0) before tl.where or the store
 # mask discards them; numpy warns about it.
 pytestmark = [
