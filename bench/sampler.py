@@ -214,7 +214,7 @@ def save_model(size: str, folder: Path, cfg) -> Path:
 
     if cfg.model.tokenizer == "bpe":
         env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
-        settings = DriverSettings.from_config(cfg.rollout, "cod")
+        settings = DriverSettings.from_config(cfg)
         tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
     else:
         tokenizer = char_tokenizer(CHATML)
@@ -335,7 +335,7 @@ def _worker(spec: dict) -> dict:
         importlib.import_module(module)
     cfg = load_config(PRESET)
     env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
-    settings = DriverSettings.from_config(cfg.rollout, "cod")
+    settings = DriverSettings.from_config(cfg)
     P, G = spec["packs"], spec["group"]
 
     def packs(index: int):  # the trainer's packs of step `index`, on the benchmark's own seeds

@@ -345,7 +345,7 @@ class RuntimeConfig(_Config):
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """`auto` is cuda when available."""
-    kernel_impl: Literal["auto", "torch", "cpp", "cuda", "triton"] = "auto"
+    kernel_impl: Literal["auto", "torch", "cpp", "triton"] = "auto"
     """Kernel implementation; `auto` lets cod_fast.ops.dispatch pick per device."""
     run_dir: str = "runs/latest"
     """Folder for the resolved config, logs and checkpoints."""

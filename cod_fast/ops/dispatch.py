@@ -5,6 +5,8 @@ Every kernel family (`linear_logprobs`, `linear_policy_loss`) has one public fun
 then the best implementation available for the device (triton on CUDA, cpp on CPU when the
 extension is built, torch everywhere). The pure-torch implementation is always available.
 Implementations differ in their row kernels (see cod_fast.ops.torch_rows for the contract).
+The CUDA loss head of csrc/cuda (cod_fast.ops.cuda_head) is not one of them yet: its sources
+compile and match the torch head in the tests where a GPU exists, but no driver calls it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-IMPLS = ("triton", "cuda", "cpp", "torch")
+IMPLS = ("triton", "cpp", "torch")
 ENV_VAR = "COD_FAST_IMPL"
 _ROW_MODULES = {
     "torch": "cod_fast.ops.torch_rows",
@@ -45,16 +47,8 @@ def _cpp_status() -> str:
     return f"C++ extension not built ({cpp_rows.CPP_ERROR}); reinstall with a C++17 compiler"
 
 
-def _cuda_status() -> str:
-    return (
-        "not wired yet: the CUDA loss-head sources compile (tests); the runtime path "
-        "arrives with a GPU session"
-    )
-
-
 _STATUS = {
     "triton": _triton_status,
-    "cuda": _cuda_status,
     "cpp": _cpp_status,
     "torch": lambda: "available: pure-torch reference, runs on every device",
 }
