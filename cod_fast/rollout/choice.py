@@ -54,6 +54,4 @@ def choose_sampler(requested: str, device_type: str, head_dim: int) -> tuple[str
             "vllm",
             "vLLM on CUDA (paged attention, CUDA graphs, sleep mode; not benchmarked yet)",
         )
-    if CPU_AUTO == "vllm" and not cpu_ok:
-        return "torch", f"vLLM's CPU attention backend does not take head size {head_dim}"
-    return CPU_AUTO, CPU_REASON
+    return CPU_AUTO, CPU_REASON  # should it become vllm: fall back to torch where not cpu_ok
