@@ -480,9 +480,17 @@ def eval_command(
         Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
     base = eval_defaults(run)
-    flags = dict(env=env, size=size, setting=setting, packs=packs, tasks=tasks)
-    flags |= dict(max_response_tokens=max_response_tokens, temperature=temperature, top_p=top_p)
-    flags["seed"] = seed
+    flags = {
+        "env": env,
+        "size": size,
+        "setting": setting,
+        "packs": packs,
+        "tasks": tasks,
+        "max_response_tokens": max_response_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+    }
     given = {k: v for k, v in flags.items() if v is not None}
     if run is not None:
         for key, value in given.items():

@@ -17,6 +17,7 @@ from cod_fast.rollout.vllm_sampler import (
     _repack_tied,
     cpu_head_dim_problem,
     cpu_kv_cache_bytes,
+    head_dim,
 )
 
 
@@ -175,6 +176,6 @@ def test_cpu_kv_cache_fits_the_machine():
 
 def test_cpu_head_size_check_names_the_fix():
     """Head size 24 (the tiny-cpu preset's 96 / 4) is refused with the fix; 32 passes."""
-    assert cpu_head_dim_problem(tiny_config(hidden=128)) is None
-    problem = cpu_head_dim_problem(tiny_config(hidden=96))
+    assert cpu_head_dim_problem(head_dim(tiny_config(hidden=128))) is None
+    problem = cpu_head_dim_problem(head_dim(tiny_config(hidden=96)))
     assert "24" in problem and "rollout.sampler=torch" in problem

@@ -131,8 +131,8 @@ def sampler_gap_metrics(
     the tokens, and the fraction whose ratio exp(logp - roll) lies outside the MIS bounds. Before
     the first update of a batch the two policies are the same weights, so this is the numerical
     mismatch between sampler and trainer that TIS and MIS exist for."""
-    gap = (logp.detach().float() - roll.float()).abs()
-    ratio = (logp.detach().float() - roll.float()).exp()
+    log_ratio = logp.detach().float() - roll.float()
+    gap, ratio = log_ratio.abs(), log_ratio.exp()
     outside = (ratio < config.mis_low) | (ratio > config.mis_high)
     return {
         f"{SAMPLER_GAP}_mean": _mean(gap),

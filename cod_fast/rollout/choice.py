@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from cod_fast.rollout.vllm_sampler import CPU_HEAD_SIZES
+from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem
 
 CPU_AUTO = "torch"
 CPU_REASON = (
@@ -29,7 +29,6 @@ def vllm_installed() -> bool:
 def choose_sampler(requested: str, device_type: str, head_dim: int) -> tuple[str, str]:
     """(sampler, why) for `rollout.sampler=requested` on `device_type` for a model whose
     attention heads have `head_dim`; a request that cannot run is an error naming the fix."""
-    cpu_ok = head_dim in CPU_HEAD_SIZES
     if requested == "torch":
         return "torch", "asked for (rollout.sampler=torch)"
     if requested == "vllm":
@@ -39,13 +38,9 @@ def choose_sampler(requested: str, device_type: str, head_dim: int) -> tuple[str
                 f"rollout.sampler='vllm' but vLLM is not installed; pip install -e '.[{extra}]' "
                 "or use rollout.sampler=torch"
             )
-        if device_type == "cpu" and not cpu_ok:
-            raise ValueError(
-                f"rollout.sampler='vllm' on the CPU needs a head size in {list(CPU_HEAD_SIZES)} "
-                f"(vLLM's CPU attention backend), and the model's is {head_dim}; use "
-                "rollout.sampler=torch, or (built-in model) a model.hidden_size / "
-                "model.num_heads that gives one of those"
-            )
+        problem = cpu_head_dim_problem(head_dim) if device_type == "cpu" else None
+        if problem:
+            raise ValueError(f"rollout.sampler='vllm' on the CPU: {problem}")
         return "vllm", "asked for (rollout.sampler=vllm)"
     if not vllm_installed():
         return "torch", "vLLM is not installed"
@@ -54,4 +49,4 @@ def choose_sampler(requested: str, device_type: str, head_dim: int) -> tuple[str
             "vllm",
             "vLLM on CUDA (paged attention, CUDA graphs, sleep mode; not benchmarked yet)",
         )
-    return CPU_AUTO, CPU_REASON  # should it become vllm: fall back to torch where not cpu_ok
+    return CPU_AUTO, CPU_REASON  # were it vllm: torch where cpu_head_dim_problem objects

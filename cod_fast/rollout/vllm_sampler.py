@@ -86,13 +86,13 @@ def head_dim(config: Any) -> int:
     return int(explicit or config.hidden_size // config.num_attention_heads)
 
 
-def cpu_head_dim_problem(config: Any) -> str | None:
-    """Why the CPU engine cannot run this model (an unsupported head size), or None."""
-    size = head_dim(config)
+def cpu_head_dim_problem(size: int) -> str | None:
+    """Why the CPU engine cannot run a model whose attention heads have `size` (an unsupported
+    head size), or None."""
     if size in CPU_HEAD_SIZES:
         return None
     return (
-        f"the vLLM CPU attention backend supports head sizes {list(CPU_HEAD_SIZES)}, and this "
+        f"the vLLM CPU attention backend takes a head size in {list(CPU_HEAD_SIZES)}, and this "
         f"model's is {size}; use rollout.sampler=torch, or (built-in model) choose "
         "model.hidden_size / model.num_heads to give one of those sizes"
     )
@@ -219,7 +219,7 @@ class VLLMSampler:
         config = AutoConfig.from_pretrained(model)
         max_model_len = max_model_len or config.max_position_embeddings
         if support.device == "cpu":
-            problem = cpu_head_dim_problem(config)
+            problem = cpu_head_dim_problem(head_dim(config))
             if problem:
                 raise ValueError(f"vLLM cannot sample from {model} on the CPU: {problem}")
             kv = cpu_kv_cache_bytes(
