@@ -251,7 +251,7 @@ def make_step(contender: str):
     if contender == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
-        from cod_fast.ops.policy_loss import policy_loss_from_logp
+        from cod_fast.ops import LossInputs, policy_loss_from_logp
 
         # CCE is a cross-entropy kernel: its per-token losses are -logp, and cod-fast's
         # policy_loss_from_logp (differentiated by autograd) turns them into the loss. It takes
@@ -259,14 +259,13 @@ def make_step(contender: str):
         # ignore_index path would drop the same rows). CCE's default gradient filtering stays on.
         def step(x: Inputs):
             logp = -linear_cross_entropy(x.hidden, x.weight, x.targets, reduction="none").float()
-            loss, _ = policy_loss_from_logp(
-                logp,
+            inputs = LossInputs(
                 x.advantages,
                 x.segment_ids,
-                config=cfg,
                 rollout_logp=x.rollout_logp,
                 denominator=x.n_trainable,
             )
+            loss, _ = policy_loss_from_logp(logp, inputs, config=cfg)
             loss.backward()
             return loss
 

@@ -263,16 +263,15 @@ def make_sampler(contender: str, folder: str, cfg):
         return cls(model, tokenizer, **kwargs), tokenizer
     from transformers import AutoConfig, AutoTokenizer
 
+    from cod_fast.rollout.choice import engine_max_len
     from cod_fast.rollout.vllm_sampler import VLLMSampler
 
-    # No sequence outgrows the trainer's token budget, and the CPU engine reserves a KV cache
-    # for 64 sequences of max_model_len: a hub model's 40k positions would reserve 5x more.
     positions = AutoConfig.from_pretrained(folder).max_position_embeddings
     sampler = VLLMSampler.create(
         folder,
         **kwargs,
         dtype="float32",
-        max_model_len=min(positions, cfg.train.token_budget),
+        max_model_len=engine_max_len(cfg, positions),
         enforce_eager=contender == "vllm-eager",
     )
     return sampler, AutoTokenizer.from_pretrained(folder)

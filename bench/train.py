@@ -246,7 +246,7 @@ def logits_eager_step(model, optimizer, microbatches, *, denominator, config, gr
     import torch
 
     from cod_fast.attention import packed_attention_kwargs
-    from cod_fast.ops import policy_loss_from_logp
+    from cod_fast.ops import LossInputs, policy_loss_from_logp
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -264,14 +264,15 @@ def logits_eager_step(model, optimizer, microbatches, *, denominator, config, gr
         # keeps a [T, V] tensor alive through the backward beyond what autograd saves.
         log_probs = torch.log_softmax(out.logits[0].float() / config.temperature, dim=-1)
         del out
-        loss, _ = policy_loss_from_logp(
-            log_probs[mb.trainable_idx, mb.targets],
+        inputs = LossInputs(
             mb.advantages,
             mb.segment_ids,
-            config=config,
             old_logp=mb.old_logp,
             rollout_logp=mb.rollout_logp,
             denominator=denominator,
+        )
+        loss, _ = policy_loss_from_logp(
+            log_probs[mb.trainable_idx, mb.targets], inputs, config=config
         )
         del log_probs
         loss.backward()

@@ -155,8 +155,8 @@ def train(
             console.print(Text(dump_yaml(cfg)), highlight=False)
             console.print(
                 f"run dir {cfg.runtime.run_dir}; device {trainer.device}; "
-                f"{trainer.ctx.world_size} process(es); sampler {trainer.sampler_kind} "
-                f"({trainer.sampler_reason})"
+                f"{trainer.ctx.world_size} process(es); sampler {trainer.samplers.kind} "
+                f"({trainer.samplers.reason})"
             )
         summary = _run_with_progress(trainer, resume, console)
     except _run_errors() as e:

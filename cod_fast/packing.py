@@ -4,7 +4,8 @@ episodes -> `Sequence`s (one context window each; a multi-turn episode whose tur
 one sequence with one trainable `Segment` per response, "prefix merging") -> `balance` assigns
 whole sequences to micro-batches and ranks -> `build_microbatch` flattens them into the varlen
 tensors the loss reads: attention boundaries (`cu_seqlens`), per-sequence positions, and for every
-trainable position its target token, segment id and per-token values.
+trainable position its target token, segment id, advantage and sampler log-prob. The trainer
+adds the log-probs it recomputes (old policy, reference) to the micro-batches afterwards.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from cod_fast.records import Episode
-
-OPTIONAL_LOGPS = ("old_logp", "ref_logp", "teacher_logp")
 
 
 class SequenceTooLongError(ValueError):
@@ -37,9 +36,6 @@ class Segment:
     """The episode's advantage, shared by every token."""
     rollout_logp: list[float]
     """Sampler log-probs (roll_t)."""
-    old_logp: list[float] | None = None
-    ref_logp: list[float] | None = None
-    teacher_logp: list[float] | None = None
     key: tuple = ()
     """Episode key + turn index."""
 
@@ -49,13 +45,11 @@ class Segment:
                 f"segment {self.key} needs start >= 1 and length >= 1, got "
                 f"start={self.start}, length={self.length}"
             )
-        for name in ("rollout_logp", *OPTIONAL_LOGPS):
-            values = getattr(self, name)
-            if values is not None and len(values) != self.length:
-                raise ValueError(
-                    f"segment {self.key}: {name} has {len(values)} entries, "
-                    f"expected length={self.length}"
-                )
+        if len(self.rollout_logp) != self.length:
+            raise ValueError(
+                f"segment {self.key}: rollout_logp has {len(self.rollout_logp)} entries, "
+                f"expected length={self.length}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -107,9 +101,6 @@ def episode_sequences(episode: Episode, merge_prefix: bool = True) -> list[Seque
                 length=len(turn.response_ids),
                 advantage=float(episode.advantage),
                 rollout_logp=list(turn.response_logprobs),
-                old_logp=_copy(turn.old_logprobs),
-                ref_logp=_copy(turn.ref_logprobs),
-                teacher_logp=_copy(turn.teacher_logprobs),
                 key=(*episode.key, j),
             )
         )
@@ -120,10 +111,6 @@ def episode_sequences(episode: Episode, merge_prefix: bool = True) -> list[Seque
 def rollout_sequences(episodes: Iterable[Episode], merge_prefix: bool = True) -> list[Sequence]:
     """`episode_sequences` over many episodes, in order."""
     return [seq for ep in episodes for seq in episode_sequences(ep, merge_prefix)]
-
-
-def _copy(values: list[float] | None) -> list[float] | None:
-    return None if values is None else list(values)
 
 
 @dataclass(kw_only=True)
@@ -152,16 +139,14 @@ class MicroBatch:
     """[N] float32, the segment's advantage on each of its tokens."""
     rollout_logp: torch.Tensor
     """[N] float32."""
-    old_logp: torch.Tensor | None
-    """[N] float32, or None when no segment has it (then old = rollout, "bypass")."""
-    ref_logp: torch.Tensor | None
-    """[N] float32 or None."""
-    teacher_logp: torch.Tensor | None
-    """[N] float32 or None."""
     segment_lengths: torch.Tensor
     """[n_segments] int64, trainable tokens per segment."""
     segment_keys: list[tuple]
     """Episode key + turn index of each segment."""
+    old_logp: torch.Tensor | None = None
+    """[N] float32 from the trainer (algo.old_logp=recompute); None: old = rollout ("bypass")."""
+    ref_logp: torch.Tensor | None = None
+    """[N] float32 from the trainer's reference model when a KL term is on, else None."""
 
     @property
     def num_tokens(self) -> int:
@@ -185,32 +170,15 @@ class MicroBatch:
         )
 
 
-def _check_optional_presence(sequences: Iterable[Sequence]) -> list[str]:
-    """Names of the optional log-probs every segment has; ValueError when only some have one."""
-    segments = [seg for seq in sequences for seg in seq.segments]
-    present = []
-    for name in OPTIONAL_LOGPS:
-        have = sum(getattr(seg, name) is not None for seg in segments)
-        if 0 < have < len(segments):
-            raise ValueError(
-                f"{have} of {len(segments)} segments have {name}: it must be "
-                "given for every segment or for none"
-            )
-        if segments and have == len(segments):
-            present.append(name)
-    return present
-
-
 def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
     """Flatten whole sequences into one micro-batch (an empty list gives a valid empty one)."""
-    present = _check_optional_presence(sequences)
     tokens: list[int] = []
     positions: list[int] = []
     cu_seqlens = [0]
     trainable: list[int] = []
     segment_ids: list[int] = []
     advantages: list[float] = []
-    values: dict[str, list[float]] = {name: [] for name in ("rollout_logp", *present)}
+    rollout_logp: list[float] = []
     lengths: list[int] = []
     keys: list[tuple] = []
     for seq in sequences:
@@ -225,8 +193,7 @@ def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
             trainable.extend(range(first, first + seg.length))
             segment_ids.extend([len(keys)] * seg.length)
             advantages.extend([seg.advantage] * seg.length)
-            for name, acc in values.items():
-                acc.extend(getattr(seg, name))
+            rollout_logp.extend(seg.rollout_logp)
             lengths.append(seg.length)
             keys.append(seg.key)
 
@@ -247,8 +214,7 @@ def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
         targets=input_ids[trainable_idx + 1],
         segment_ids=i64(segment_ids),
         advantages=f32(advantages),
-        rollout_logp=f32(values["rollout_logp"]),
-        **{name: f32(values[name]) if name in values else None for name in OPTIONAL_LOGPS},
+        rollout_logp=f32(rollout_logp),
         segment_lengths=i64(lengths),
         segment_keys=keys,
     )
@@ -314,7 +280,6 @@ def pack_microbatches(
     sequences: list[Sequence], token_budget: int, world_size: int = 1
 ) -> list[list[MicroBatch]]:
     """rank -> its micro-batches for one optimizer step. All checks run before any tensor."""
-    _check_optional_presence(sequences)
     plan = balance([len(seq) for seq in sequences], token_budget, world_size)
     return [[build_microbatch([sequences[i] for i in mb]) for mb in rank] for rank in plan]
 

@@ -31,12 +31,6 @@ class Turn:
     """The sampler's log-prob of each response token."""
     finish_reason: FinishReason = "stop"
     """Why sampling stopped: a stop token, the length cap, or an error."""
-    old_logprobs: list[float] | None = None
-    """Log-probs under the policy the ratio is taken against, when recomputed (else bypass)."""
-    ref_logprobs: list[float] | None = None
-    """Log-probs under the reference policy, for the KL term."""
-    teacher_logprobs: list[float] | None = None
-    """Log-probs under the task family's teacher, for on-policy distillation."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -48,13 +42,11 @@ class Turn:
                 f"Turn.finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )
         n = len(self.response_ids)
-        for name in ("response_logprobs", "old_logprobs", "ref_logprobs", "teacher_logprobs"):
-            values = getattr(self, name)
-            if values is not None and len(values) != n:
-                raise ValueError(
-                    f"Turn.{name} has {len(values)} entries but response_ids has {n}; "
-                    "there must be one log-prob per response token"
-                )
+        if len(self.response_logprobs) != n:
+            raise ValueError(
+                f"Turn.response_logprobs has {len(self.response_logprobs)} entries but "
+                f"response_ids has {n}; there must be one log-prob per response token"
+            )
 
 
 @dataclass(kw_only=True)

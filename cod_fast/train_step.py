@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from cod_fast.config import LossConfig
 from cod_fast.packing import MicroBatch, Sequence, build_microbatch
@@ -45,21 +46,43 @@ def runnable(mb: MicroBatch) -> MicroBatch:
     return mb if mb.num_tokens else build_microbatch([Sequence(tokens=[0], segments=[])])
 
 
-def _reduce(tokens: int, loss: float, sums: dict[str, float]) -> tuple[int, float, dict]:
-    """Totals over every rank (a no-op in one process); every rank holds the same keys."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return tokens, loss, sums
+def _accumulate(sums: dict[str, torch.Tensor], metrics: dict, n: int) -> None:
+    """Add one micro-batch's metrics, on the device: token-weighted sums, and running `*_min` /
+    `*_max`. An empty micro-batch adds every key too (neutrally), so all ranks reduce alike."""
+    for name, value in metrics.items():
+        value = value.detach().double()
+        if name.endswith("_min"):
+            value = value if n else torch.full_like(value, math.inf)
+            sums[name] = torch.minimum(sums[name], value) if name in sums else value
+        elif name.endswith("_max"):
+            value = value if n else torch.full_like(value, -math.inf)
+            sums[name] = torch.maximum(sums[name], value) if name in sums else value
+        else:
+            sums[name] = sums.get(name, 0.0) + value * n
+
+
+def _read_totals(
+    tokens: int, loss: torch.Tensor, norm: torch.Tensor, sums: dict[str, torch.Tensor]
+) -> tuple[int, float, float, dict[str, float]]:
+    """(tokens, loss, gradient norm, metrics) summed (min, max) over every rank, read to the
+    host at once: the step's one wait for the device. The reductions run on the device, as
+    NCCL needs."""
     names = sorted(sums)
-    plain = [n for n in names if not n.endswith(("_min", "_max"))]
-    totals = torch.tensor([tokens, loss, *(sums[n] for n in plain)], dtype=torch.float64)
-    dist.all_reduce(totals)
-    out = dict(zip(plain, totals[2:].tolist(), strict=True))
-    for suffix, op in (("_min", dist.ReduceOp.MIN), ("_max", dist.ReduceOp.MAX)):
-        for name in (n for n in names if n.endswith(suffix)):
-            value = torch.tensor([sums[name]], dtype=torch.float64)
-            dist.all_reduce(value, op=op)
-            out[name] = float(value)
-    return int(totals[0]), float(totals[1]), out
+    kinds = [[n for n in names if not n.endswith(("_min", "_max"))]]
+    kinds += [[n for n in names if n.endswith(suffix)] for suffix in ("_min", "_max")]
+    parts = [torch.stack([loss.new_tensor(float(tokens)), loss, *(sums[n] for n in kinds[0])])]
+    parts += [
+        torch.stack([sums[n] for n in group]) if group else loss.new_zeros(0) for group in kinds[1:]
+    ]
+    if dist.is_available() and dist.is_initialized():
+        ops = (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)
+        for part, op in zip(parts, ops, strict=True):
+            if part.numel():
+                dist.all_reduce(part, op=op)
+    values = torch.cat([*parts, norm.detach().double().reshape(1)]).tolist()
+    tokens_sum, loss_sum = values[:2]
+    metrics = dict(zip([n for group in kinds for n in group], values[2:-1], strict=True))
+    return int(tokens_sum), loss_sum, values[-1], metrics
 
 
 def train_step(
@@ -75,26 +98,20 @@ def train_step(
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device
-    total, tokens = 0.0, 0
-    sums: dict[str, float] = {}
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    sums: dict[str, torch.Tensor] = {}
     for mb in microbatches:
         mb = runnable(mb).to(device)
         out = policy(mb, config=config, denominator=denominator)
         out.loss.backward()
-        total += float(out.loss.detach())
-        n = mb.num_trainable
-        tokens += n
-        # Every micro-batch adds every key (an empty one neutrally), so all ranks reduce alike.
-        for name, value in out.metrics.items():
-            value = float(value)
-            if name.endswith("_min"):
-                sums[name] = min(sums.get(name, math.inf), value if n else math.inf)
-            elif name.endswith("_max"):
-                sums[name] = max(sums.get(name, -math.inf), value if n else -math.inf)
-            else:  # token-weighted over micro-batches (and ranks)
-                sums[name] = sums.get(name, 0.0) + value * n
-    tokens, total, sums = _reduce(tokens, total, sums)
-    norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip))
+        total += out.loss.detach().double()
+        tokens += mb.num_trainable
+        _accumulate(sums, out.metrics, mb.num_trainable)
+    norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+    if isinstance(norm, DTensor):  # FSDP2: the norm over every shard
+        norm = norm.full_tensor()
+    tokens, total, norm, sums = _read_totals(tokens, total, norm, sums)
     if not math.isfinite(total):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(

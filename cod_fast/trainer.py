@@ -20,7 +20,6 @@ derive from the step, so a resumed run repeats the uninterrupted one exactly on 
 
 from __future__ import annotations
 
-import copy
 import math
 import signal
 import time
@@ -60,20 +59,18 @@ from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plan, run_eval_sampling
 from cod_fast.metrics import summarize_rollouts
-from cod_fast.model import BUILTIN_TINY, load_policy
+from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
-from cod_fast.ops.policy_loss import SAMPLER_GAP
+from cod_fast.ops.loss_terms import SAMPLER_GAP
 from cod_fast.packing import MicroBatch, pack_microbatches, rollout_sequences, step_totals
 from cod_fast.policy import Policy
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
-from cod_fast.rollout.choice import choose_sampler
+from cod_fast.rollout.choice import build_samplers
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
-from cod_fast.rollout.vllm_sampler import head_dim
 from cod_fast.run_log import RunLog
-from cod_fast.tokenizer import CHATML, char_tokenizer
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
-from cod_fast.warmstart import SFT_LOSS, demonstrations, environment_tokenizer
+from cod_fast.warmstart import SFT_LOSS, demonstrations, run_tokenizer
 
 REFERENCE = "reference.safetensors"
 """The KL reference's weights in the run directory."""
@@ -135,18 +132,13 @@ class Trainer:
         self.warm_steps = cfg.train.warm_start_steps
         self.total_steps = self.warm_steps + cfg.train.steps
         torch.manual_seed(cfg.train.seed)
-        self.tokenizer = self._tokenizer()
+        self.tokenizer = run_tokenizer(cfg, self.env, self.settings, self.ctx.is_main)
         model, self.tokenizer = self._load_model()
         self.chat = ChatFormat(self.tokenizer)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
-        self.sampler_kind = self._sampler_kind(model)
-        # A torch sampler under FSDP needs the whole model on each rank: a copy it owns, which
-        # receives the weights after every step, as vLLM does.
-        shared = self.sampler_kind == "torch" and not self.ctx.distributed
-        sampler_model = model if shared else copy.deepcopy(model)
-        self.push_weights = not shared
+        self.samplers = build_samplers(cfg, model, self.tokenizer, self.ctx, run_eval_sampling(cfg))
+        self.sampler = self.samplers.train
         self.policy = shard_policy(Policy(model, self.impl), self.ctx)
-        self.sampler, self.eval_sampler = self._samplers(sampler_model)
         self.driver = RolloutDriver(self.env, self.sampler, self.chat, self.settings)
         self.optimizer = self._optimizer(warm=self.warm_steps > 0)
         self.reference: Policy | None = None
@@ -155,83 +147,8 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------------
 
-    def _tokenizer(self):
-        """The built-in model's tokenizer (None for a Hugging Face model, which has its own).
-        A `bpe` vocabulary is trained once per run and kept in the run directory."""
-        cfg = self.cfg
-        if cfg.model.name_or_path != BUILTIN_TINY:
-            return None
-        if cfg.model.tokenizer == "char":
-            return char_tokenizer(CHATML)
-        saved = self.run_dir / "tokenizer"
-        if saved.exists():
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(saved)
-        tokenizer = environment_tokenizer(
-            self.env, self.settings, cfg.model.vocab_size, cfg.train.seed
-        )
-        if self.ctx.is_main:
-            tokenizer.save_pretrained(saved)
-        return tokenizer
-
     def _load_model(self):
         return load_policy(self.cfg.model, self.device, self.cfg.train.seed, self.tokenizer)
-
-    def _sampler_kind(self, model) -> str:
-        """The run's sampler (cod_fast.rollout.choice); the reason is kept for the log."""
-        kind, self.sampler_reason = choose_sampler(
-            self.cfg.rollout.sampler, self.device.type, head_dim(model.config)
-        )
-        return kind
-
-    def _samplers(self, model):
-        """(training sampler, eval sampler): two streams over one model or one engine; the
-        training stream differs per rank."""
-        cfg = self.cfg
-        temperature, top_p = cfg.algo.loss.temperature, cfg.rollout.top_p
-        sampling = run_eval_sampling(cfg)
-        eval_temperature, eval_seed = sampling["temperature"], sampling["seed"]
-        seed = cfg.train.seed + 1_000 * self.ctx.rank
-        if self.sampler_kind == "vllm":
-            from cod_fast.rollout.vllm_sampler import VLLMSampler
-
-            sampler = VLLMSampler.create(
-                self._sampler_model_path(),
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed,
-                gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-                dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-                # A sequence longer than the token budget cannot be trained on anyway.
-                max_model_len=min(cfg.train.token_budget, model.config.max_position_embeddings),
-                enforce_eager=cfg.rollout.vllm_eager,
-            )
-            return sampler, sampler.with_seed(eval_seed, eval_temperature)
-        from cod_fast.rollout.torch_sampler import TorchSampler
-
-        def make(s: int, t: float) -> TorchSampler:
-            return TorchSampler(model, self.tokenizer, temperature=t, top_p=top_p, seed=s)
-
-        return make(seed, temperature), make(eval_seed, eval_temperature)
-
-    def _sampler_model_path(self) -> str:
-        """What vLLM starts from: a hub id or folder as given, or for the built-in model a
-        folder with the policy's own config, tokenizer and weights, written once (the engine
-        then gets every later weight through pushes)."""
-        if self.cfg.model.name_or_path != BUILTIN_TINY:
-            return self.cfg.model.name_or_path
-        path = self.run_dir / "sampler-model"
-        weights = model_state(self.policy, self.ctx)  # a collective: every rank takes part
-        if self.ctx.is_main:
-            path.mkdir(parents=True, exist_ok=True)
-            config = copy.deepcopy(self.policy.model.config)
-            config.architectures = [type(self.policy.model).__name__]  # what vLLM builds
-            config.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-            save_file(weights, path / "model.safetensors")
-        barrier(self.ctx)
-        return str(path)
 
     def _optimizer(self, warm: bool) -> torch.optim.Optimizer:
         train = self.cfg.train
@@ -253,7 +170,7 @@ class Trainer:
 
     def _sync_sampler(self) -> None:
         """Push the policy's weights into a sampler that holds its own copy."""
-        if self.push_weights:
+        if self.samplers.owns_weights:
             self.sampler.push_weights(full_parameters(self.policy))
 
     # --- the run -------------------------------------------------------------------------------
@@ -431,6 +348,8 @@ class Trainer:
         if not recompute and self.reference is None:
             return
         self.policy.eval()
+        # Host copies (a wait for the device per micro-batch): the micro-batches stay on the host
+        # until their optimizer step, so a batch's log-probs never hold device memory.
         for mb in microbatches:
             batch = runnable(mb).to(self.device)
             if recompute:
@@ -467,9 +386,9 @@ class Trainer:
             return
         if self.ctx.is_main:
             plan = run_eval_plan(cfg)
-            stream = self.eval_sampler.state_dict()
-            report = evaluate(self.eval_sampler, self.chat, plan, self.settings)
-            self.eval_sampler.load_state_dict(stream)
+            stream = self.samplers.eval.state_dict()
+            report = evaluate(self.samplers.eval, self.chat, plan, self.settings)
+            self.samplers.eval.load_state_dict(stream)
             self.log.evaluation(label, self.step, report["summaries"][cfg.rollout.env]["cod"])
         barrier(self.ctx)
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from cod_fast.config import LossConfig
+from cod_fast.config import Config, LossConfig
 from cod_fast.envs.base import Agent, Environment
 from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
+from cod_fast.model import BUILTIN_TINY
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver, RunState
@@ -105,3 +107,24 @@ def environment_tokenizer(
     uncapped = dataclasses.replace(settings, max_response_tokens=10**6, max_hint_tokens=10**6)
     corpus = transcripts(demonstrations(env, chat, uncapped, packs), chat)
     return bpe_tokenizer(corpus, vocab_size, whole=[HINT_START, HINT_END])
+
+
+def run_tokenizer(
+    cfg: Config, env: Environment, settings: DriverSettings, is_main: bool
+) -> PreTrainedTokenizerBase | None:
+    """The built-in model's tokenizer for a run (None for a Hugging Face model, which has its
+    own). A `bpe` vocabulary is trained once per run and kept in the run directory, where a
+    resumed run and `cod-fast export` find it; only the main process writes it."""
+    if cfg.model.name_or_path != BUILTIN_TINY:
+        return None
+    if cfg.model.tokenizer == "char":
+        return char_tokenizer(CHATML)
+    saved = Path(cfg.runtime.run_dir) / "tokenizer"
+    if saved.exists():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(saved)
+    tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
+    if is_main:
+        tokenizer.save_pretrained(saved)
+    return tokenizer

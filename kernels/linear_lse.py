@@ -28,12 +28,15 @@ import triton.language as tl
 from cod_fast.kernels.rows import AUTOTUNE
 
 # Default GPU tiles (H100/H200), bf16/fp16 operands: wgmma on a 128 x 128 float32 accumulator
-# (64 registers a thread at 8 warps; ~175 in all with the softmax epilogue, no spills), BLOCK_K = 64
-# with 3 cp.async stages in 96 KiB of shared memory.
+# (64 registers a thread at 8 warps for the accumulator alone), BLOCK_K = 64. Compiled for sm_90
+# by Triton 3.9 (`python -m cod_fast.bench.kernel_resources`) it uses 255 registers and spills
+# ~300 bytes with the softmax epilogue, and one 32 KiB shared-memory stage: the K loop sits inside
+# the vocabulary loop and is not multi-buffered. 64 x 128 x 64 does not spill there. Neither has
+# been timed on a GPU yet, so the default stays the wider tile until one has.
 GPU_BLOCKS = {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_K": 64}
 GPU_LAUNCH = {"num_warps": 8, "num_stages": 3}
 # float32 operands take the exact FMA path (no TF32, to match torch's float32 matmul), whose
-# register-held operands spill at 128 x 128; 64 x 128 x 32 fits.
+# register-held operands need the smaller 64 x 128 x 32 tile (it still spills ~40 bytes).
 GPU_BLOCKS_FP32 = {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 32}
 # The interpreter runs tiles as numpy calls; tl.dot needs every dimension >= 16.
 INTERPRETER_BLOCKS = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}

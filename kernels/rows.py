@@ -25,9 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Codes of the `policy` and `kl` switches (the same as cod_fast.ops.loss_head's).
-POLICY_CODES = {"ppo": 0, "rec_one_side": 1, "rec_one_side_is": 2, "opd": 3}
-KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3}
+from cod_fast.ops.loss_terms import KL_CODES, POLICY_CODES
+
+# The switch codes as compile-time constants for the kernels to compare against.
+PPO = tl.constexpr(POLICY_CODES["ppo"])
+REC_ONE_SIDE = tl.constexpr(POLICY_CODES["rec_one_side"])
+OPD = tl.constexpr(POLICY_CODES["opd"])
+KL_OFF = tl.constexpr(KL_CODES[None])
+KL_K1 = tl.constexpr(KL_CODES["k1"])
+KL_K2 = tl.constexpr(KL_CODES["k2"])
 
 # A fixed default tile is reproducible and needs no warm-up: 4096 float32 (16 KiB) per tile puts
 # 16 values per thread in flight at 8 warps (four 16-byte loads), and at ~80 registers a thread
@@ -242,23 +248,23 @@ def _policy_head(
         ratio = 1.0
     else:
         ratio = tl.exp(logp - old)
-    if POLICY == 0:  # ppo
+    if POLICY == PPO:
         unclipped = -adv * ratio
         clipped_term = -adv * tl.minimum(tl.maximum(ratio, 1.0 - eps_low), 1.0 + eps_high)
         loss = tl.maximum(unclipped, clipped_term)
         clipped = (clipped_term > unclipped).to(tl.float32)
         grad = 0.0 if SEQ_LEVEL else unclipped * (1.0 - clipped)
-    elif POLICY == 3:  # opd: the advantage is the teacher's margin, logp detached inside it
+    elif POLICY == OPD:  # the advantage is the teacher's margin, logp detached inside it
         a = opd_coef * (teach - logp)
         loss = -a * logp
         grad = -a
         clipped = 0.0
-    else:  # rec_one_side (1), rec_one_side_is (2)
+    else:  # rec_one_side, rec_one_side_is
         keep = (
             ((adv >= 0) & (ratio <= 1.0 + eps_high)) | ((adv < 0) & (ratio >= 1.0 - eps_low))
         ).to(tl.float32)
         clipped = 1.0 - keep
-        if POLICY == 1:
+        if POLICY == REC_ONE_SIDE:
             loss = -adv * logp * keep
             grad = -adv * keep
         else:
@@ -266,12 +272,12 @@ def _policy_head(
             grad = 0.0 if SEQ_LEVEL else loss
     loss = corr * loss
     grad = corr * grad
-    if KL != 0:
+    if KL != KL_OFF:
         d = logp - ref
-        if KL == 1:
+        if KL == KL_K1:
             k = d
             dk = 1.0
-        elif KL == 2:
+        elif KL == KL_K2:
             k = 0.5 * d * d
             dk = d
         else:
@@ -338,10 +344,10 @@ def _rows_fused_kernel(
     if not ON_POLICY:
         old = tl.load(old_ptr + row)
     ref = 0.0
-    if KL != 0:
+    if KL != KL_OFF:
         ref = tl.load(ref_ptr + row)
     teach = 0.0
-    if POLICY == 3:
+    if POLICY == OPD:
         teach = tl.load(teach_ptr + row)
     seq_ratio = 0.0
     seq_grad = 0.0
@@ -511,19 +517,20 @@ def rows_fused_(
     """Statistics, the loss head, then dL/dz into z: (logp, entropy, loss, clipped) [C] float32.
 
     loss is w_t L_t; clipped is 1.0 where the token's ratio left the trust region. Per-token
-    inputs are float32 [C]; `old` is None iff on_policy, `ref` iff kl == 0, `teach` unless
-    policy == 3 (opd), `seq_ratio`/`seq_grad` unless seq_level. `adv` may be None for opd only.
+    inputs are float32 [C]; `old` is None iff on_policy, `ref` iff the KL is off, `teach` unless
+    the policy is opd, `seq_ratio`/`seq_grad` unless seq_level. `adv` may be None for opd only.
+    The codes are those of cod_fast.ops.loss_terms.
     """
     if policy not in POLICY_CODES.values() or kl not in KL_CODES.values():
         raise ValueError(f"unknown policy code {policy} or kl code {kl}")
     _check_rows(z, targets)
     _require_iff("old", old, not on_policy, "the ratio is off-policy (on_policy = 0)")
-    _require_iff("ref", ref, kl != 0, "a KL penalty is on (kl != 0)")
-    _require_iff("teach", teach, policy == 3, "policy is opd (3)")
+    _require_iff("ref", ref, kl != KL_CODES[None], "a KL penalty is on")
+    _require_iff("teach", teach, policy == POLICY_CODES["opd"], "the policy is opd")
     _require_iff("seq_ratio", seq_ratio, bool(seq_level), "seq_level = 1")
     _require_iff("seq_grad", seq_grad, bool(seq_level), "seq_level = 1")
-    if adv is None and policy != 3:
-        raise ValueError("`adv` is required unless policy is opd (3)")
+    if adv is None and policy != POLICY_CODES["opd"]:
+        raise ValueError("`adv` is required unless the policy is opd")
     if corr is None or weight is None:
         raise ValueError("`corr` and `weight` are required (pass ones for no correction)")
     per_token = dict(

@@ -25,7 +25,6 @@ from cod_fast.packing import (
 from cod_fast.records import Episode, Rollout, Turn
 
 VOCAB = 50
-OPTIONAL = ("old_logprobs", "ref_logprobs", "teacher_logprobs")
 FAST = settings(max_examples=50, deadline=None)
 
 
@@ -48,7 +47,6 @@ def make_episode(
     task_index: int = 0,
     member: int = 0,
     kind: str = "solve",
-    optional: tuple[str, ...] = (),
     advantage: float | None = None,
 ) -> Episode:
     """A multi-turn episode whose turn j+1 reads turn j's prompt + response + a new observation.
@@ -65,13 +63,11 @@ def make_episode(
                 i = rng.randrange(len(turns[-1].prompt_ids) + len(turns[-1].response_ids))
                 prompt[i] += VOCAB
         response = _ids(rng, 1, 5)
-        extra = {name: _logps(rng, len(response)) for name in optional}
         turns.append(
             Turn(
                 prompt_ids=prompt,
                 response_ids=response,
                 response_logprobs=_logps(rng, len(response)),
-                **extra,
             )
         )
     return Episode(
@@ -85,18 +81,14 @@ def make_episode(
     )
 
 
-def make_episodes(seed: int, n: int, optional: tuple[str, ...] = ()) -> list[Episode]:
+def make_episodes(seed: int, n: int) -> list[Episode]:
     """n random episodes, some appending only, some with a rewriting turn."""
     rng = random.Random(seed)
     episodes = []
     for k in range(n):
         n_turns = rng.randint(1, 4)
         rewrite_at = rng.randint(1, n_turns - 1) if n_turns > 1 and rng.random() < 0.4 else None
-        episodes.append(
-            make_episode(
-                rng, n_turns=n_turns, rewrite_at=rewrite_at, task_index=k, optional=optional
-            )
-        )
+        episodes.append(make_episode(rng, n_turns=n_turns, rewrite_at=rewrite_at, task_index=k))
     return episodes
 
 
@@ -157,9 +149,7 @@ def _check_segments_match_turns(episodes: list[Episode], sequences: list[Sequenc
         for seg in seq.segments:
             ep, turn = turns[seg.key]
             assert seq.tokens[seg.start : seg.start + seg.length] == turn.response_ids
-            assert seg.rollout_logp == turn.response_logprobs
-            assert seg.ref_logp == turn.ref_logprobs and seg.old_logp == turn.old_logprobs
-            assert seg.teacher_logp == turn.teacher_logprobs and seg.advantage == ep.advantage
+            assert seg.rollout_logp == turn.response_logprobs and seg.advantage == ep.advantage
             seen.append(seg.key)
     assert sorted(seen, key=str) == sorted(turns, key=str), "every turn is exactly one segment"
 
@@ -189,11 +179,9 @@ def _token_views(sequences: list[Sequence]) -> dict[tuple, tuple]:
 
 
 def test_turn_rejects_mismatched_logprobs():
-    """A Turn needs one log-prob per response token, for every per-token field."""
+    """A Turn needs one log-prob per response token, a prompt, and a known finish reason."""
     with pytest.raises(ValueError, match="response_logprobs"):
         Turn(prompt_ids=[1], response_ids=[2, 3], response_logprobs=[-1.0])
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        Turn(prompt_ids=[1], response_ids=[2], response_logprobs=[-1.0], ref_logprobs=[])
     with pytest.raises(ValueError, match="prompt_ids"):
         Turn(prompt_ids=[], response_ids=[2], response_logprobs=[-1.0])
     with pytest.raises(ValueError, match="finish_reason"):
@@ -277,14 +265,10 @@ def test_unmerged_layout_is_one_sequence_per_turn(seed, n_turns):
 
 
 @FAST
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    merge=st.booleans(),
-    optional=st.sampled_from([(), OPTIONAL, ("ref_logprobs",)]),
-)
-def test_segments_hold_turn_responses_and_logprobs(seed, merge, optional):
+@given(seed=st.integers(0, 2**32 - 1), merge=st.booleans())
+def test_segments_hold_turn_responses_and_logprobs(seed, merge):
     """In both layouts each segment's tokens are its turn's response_ids, with its log-probs."""
-    episodes = make_episodes(seed, 4, optional)
+    episodes = make_episodes(seed, 4)
     seqs = rollout_sequences(episodes, merge_prefix=merge)
     _check_segments_match_turns(episodes, seqs)
     mb = build_microbatch(seqs)
@@ -297,11 +281,6 @@ def test_segments_hold_turn_responses_and_logprobs(seed, merge, optional):
         assert_equal(
             mb.advantages[mask], torch.full((len(turn.response_ids),), ep.advantage), "advantages"
         )
-        for name in OPTIONAL:
-            tensor = getattr(mb, name.replace("logprobs", "logp"))
-            assert (tensor is None) == (name not in optional)
-            if tensor is not None:
-                assert_equal(tensor[mask], torch.tensor(getattr(turn, name)), name)
 
 
 @FAST
@@ -347,7 +326,7 @@ def test_worked_example_two_sequences():
     assert mb.segment_lengths.tolist() == [2, 1, 2]
     assert mb.segment_keys == [(0,), (1,), (0,)]
     assert (mb.num_tokens, mb.num_trainable, mb.num_segments) == (8, 5, 3)
-    assert mb.old_logp is None and mb.ref_logp is None and mb.teacher_logp is None
+    assert mb.old_logp is None and mb.ref_logp is None
     assert_microbatch_invariants(mb.to("cpu"))
 
 
@@ -372,20 +351,6 @@ def test_empty_microbatch_is_valid():
     assert mb.ref_logp is None
     assert_microbatch_invariants(mb)
     assert [[m.num_tokens for m in r] for r in pack_microbatches([], 16, world_size=3)] == [[0]] * 3
-
-
-def test_mixed_ref_logp_raises():
-    """ref_logp must be present on every segment or on none."""
-    rng = random.Random(1)
-    eps = [
-        make_episode(rng, n_turns=2, optional=("ref_logprobs",), task_index=0),
-        make_episode(rng, n_turns=1, task_index=1),
-    ]
-    seqs = rollout_sequences(eps)
-    with pytest.raises(ValueError, match="ref_logp"):
-        build_microbatch(seqs)
-    with pytest.raises(ValueError, match="ref_logp"):
-        pack_microbatches(seqs, token_budget=10_000)
 
 
 def test_over_budget_error_names_length_and_budget():
@@ -427,7 +392,7 @@ def test_balance_covers_once_within_budget_and_balanced(lengths, budget, world_s
 )
 def test_pack_microbatches_keeps_sequences_whole(seed, n, world_size, slack):
     """Packed micro-batches hold whole sequences, each exactly once, within the token budget."""
-    seqs = rollout_sequences(make_episodes(seed, n, ("old_logprobs",)))
+    seqs = rollout_sequences(make_episodes(seed, n))
     budget = max((len(s) for s in seqs), default=1) + slack
     batches = pack_microbatches(seqs, budget, world_size)
     assert len(batches) == world_size and len({len(r) for r in batches}) == 1
@@ -436,7 +401,6 @@ def test_pack_microbatches_keeps_sequences_whole(seed, n, world_size, slack):
         for mb in rank:
             assert mb.num_tokens <= budget
             assert_microbatch_invariants(mb)
-            assert (mb.old_logp is None) == (mb.num_segments == 0)
             packed += [tuple(mb.input_ids[a:b].tolist()) for a, b in _spans(mb)]
     assert sorted(packed) == sorted(tuple(s.tokens) for s in seqs)
     tokens, segments = step_totals(batches)

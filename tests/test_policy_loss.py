@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from cod_fast import LossConfig
 from cod_fast.ops import (
+    LossInputs,
     aggregation_denominator,
     chunked,
     linear_logprobs,
@@ -84,8 +85,13 @@ def loss_fn(impl):
     """The public loss with `impl`, or for "fused-torch" the fused chunked driver run with the
     torch row kernels (the closed-form head that the C++ and Triton kernels implement)."""
     if impl == "fused-torch":
-        return functools.partial(fused_linear_policy_loss, torch_rows)
+        return _fused_torch
     return functools.partial(linear_policy_loss, impl=impl)
+
+
+def _fused_torch(hidden, weight, targets, advantages, segment_ids, *, config, **logps):
+    inputs = LossInputs(advantages, segment_ids, **logps)
+    return fused_linear_policy_loss(torch_rows, hidden, weight, targets, inputs, config=config)
 
 
 def impls_under_test():
@@ -464,17 +470,6 @@ def test_loss_config_is_frozen_in_results():
         config=cfg,
     )
     assert dataclasses.asdict(cfg) == before
-
-
-@pytest.mark.skipif(not is_available("triton"), reason="triton not available")
-def test_switch_codes_agree_across_implementations():
-    """The integer codes of the policy and KL switches are the same in the torch head and the
-    Triton kernels (the C++ wrapper imports the torch head's tables)."""
-    from cod_fast.kernels import rows
-    from cod_fast.ops import loss_head
-
-    assert rows.POLICY_CODES == loss_head.POLICY_CODES
-    assert rows.KL_CODES == loss_head.KL_CODES
 
 
 @pytest.mark.parametrize("impl", impl_params())

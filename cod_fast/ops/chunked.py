@@ -21,7 +21,7 @@ import torch
 
 from cod_fast.config import LossConfig
 from cod_fast.ops.loss_head import HeadInputs, kernel_switches, prepare_head
-from cod_fast.ops.policy_loss import PolicyLossOutput, loss_metrics
+from cod_fast.ops.loss_terms import LossInputs, PolicyLossOutput, loss_metrics
 
 # Bytes of float32 logits one chunk may hold. Larger chunks feed the GEMMs better on a GPU; on
 # the CPU 64 MiB is plenty for the BLAS to run at full rate.
@@ -182,18 +182,12 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
 
 def fused_linear_policy_loss(
     rows_impl: ModuleType,
-    hidden,
-    weight,
-    targets,
-    advantages,
-    segment_ids,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    inputs: LossInputs,
     *,
     config: LossConfig,
-    old_logp=None,
-    rollout_logp=None,
-    ref_logp=None,
-    teacher_logp=None,
-    denominator=None,
 ) -> PolicyLossOutput:
     """`linear_policy_loss` through the chunked driver and the given row-kernel backend."""
     gemms_dtype = compute_dtype(hidden, weight)
@@ -204,18 +198,7 @@ def fused_linear_policy_loss(
         prepass, _, _ = logprobs_forward(
             rows_impl, _Gemms(hidden, weight), targets, inv_temp, chunk
         )
-    head = prepare_head(
-        advantages,
-        segment_ids,
-        config=config,
-        old_logp=old_logp,
-        rollout_logp=rollout_logp,
-        ref_logp=ref_logp,
-        teacher_logp=teacher_logp,
-        denominator=denominator,
-        prepass_logp=prepass,
-        dtype=gemms_dtype,
-    )
+    head = prepare_head(inputs, config, prepass_logp=prepass, dtype=gemms_dtype)
     switches = kernel_switches(config, on_policy=head.old is None)
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
@@ -228,6 +211,7 @@ def fused_linear_policy_loss(
         ratio = torch.ones_like(logp)
     else:
         ratio = (logp - head.old).exp()
-    ref = None if ref_logp is None else ref_logp.to(logp.dtype)
-    metrics = loss_metrics(config, ratio, clipped, head.corr, logp, ref, entropy, rollout_logp)
+    metrics = loss_metrics(
+        config, inputs, ratio=ratio, clipped=clipped, corr=head.corr, logp=logp, entropy=entropy
+    )
     return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cod_fast.ops.loss_head import KL_CODES, POLICY_CODES
+from cod_fast.ops.loss_terms import KL_CODES, POLICY_CODES
 
 try:
     from cod_fast import _cpp

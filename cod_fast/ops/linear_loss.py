@@ -13,7 +13,8 @@ from cod_fast.config import LossConfig
 from cod_fast.ops.chunked import compute_dtype, fused_linear_policy_loss
 from cod_fast.ops.dispatch import resolve_impl, row_kernels
 from cod_fast.ops.logprobs import check_logprob_inputs, linear_logprobs
-from cod_fast.ops.policy_loss import PolicyLossOutput, policy_loss_from_logp
+from cod_fast.ops.loss_terms import LossInputs, PolicyLossOutput
+from cod_fast.ops.policy_loss import policy_loss_from_logp
 
 
 def linear_policy_loss(
@@ -40,46 +41,23 @@ def linear_policy_loss(
     (see `aggregation_denominator`); None uses this call's own tokens and segments.
     """
     check_logprob_inputs(hidden, weight, targets, config.temperature)
-    n = targets.shape[0]
-    per_token = {
-        "advantages": advantages,
-        "segment_ids": segment_ids,
-        "old_logp": old_logp,
-        "rollout_logp": rollout_logp,
-        "ref_logp": ref_logp,
-        "teacher_logp": teacher_logp,
-    }
-    for name, t in per_token.items():
-        if t is not None and tuple(t.shape) != (n,):
-            raise ValueError(f"{name} must have shape [{n}] (one per target), got {tuple(t.shape)}")
-    logps = dict(
-        old_logp=old_logp, rollout_logp=rollout_logp, ref_logp=ref_logp, teacher_logp=teacher_logp
+    inputs = LossInputs(
+        advantages,
+        segment_ids,
+        old_logp=old_logp,
+        rollout_logp=rollout_logp,
+        ref_logp=ref_logp,
+        teacher_logp=teacher_logp,
+        denominator=denominator,
     )
+    inputs.check(targets.shape[0])
     dtype = compute_dtype(hidden, weight)
     name, _ = resolve_impl(impl, hidden.device, dtype)
     if name != "torch":
         rows = row_kernels(name, dtype)
-        return fused_linear_policy_loss(
-            rows,
-            hidden,
-            weight,
-            targets.long(),
-            advantages,
-            segment_ids,
-            config=config,
-            denominator=denominator,
-            **logps,
-        )
+        return fused_linear_policy_loss(rows, hidden, weight, targets.long(), inputs, config=config)
     logp, entropy = linear_logprobs(
         hidden, weight, targets, temperature=config.temperature, return_entropy=True, impl="torch"
     )
-    loss, metrics = policy_loss_from_logp(
-        logp,
-        advantages,
-        segment_ids,
-        config=config,
-        entropy=entropy,
-        denominator=denominator,
-        **logps,
-    )
+    loss, metrics = policy_loss_from_logp(logp, inputs, config=config, entropy=entropy)
     return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)

