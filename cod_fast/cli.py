@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import platform
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -149,6 +150,7 @@ def train(
     from cod_fast.trainer import Trainer
 
     console = Console()
+    trainer = None
     try:
         trainer = Trainer(cfg)
         if trainer.ctx.is_main:
@@ -168,21 +170,26 @@ def train(
         Console(stderr=True).print(
             "interrupted (no checkpoint of the unfinished step)", style="red"
         )
-        raise typer.Exit(130) from None
+        stop = trainer.stop_signal if trainer is not None else None
+        raise typer.Exit(128 + (stop or signal.SIGINT)) from None
     if trainer.ctx.is_main:
         _print_summary(summary, console)
     from cod_fast.distributed import shutdown
 
     shutdown(trainer.ctx)
+    if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
+        raise typer.Exit(128 + summary["signal"])
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
+    from cod_fast.checkpoint import CheckpointError
     from cod_fast.train_step import NonFiniteError
     from cod_fast.trainer import RunDirError
 
-    # What bad input raises (each message names the cause and the fix); the rest are bugs and
-    # keep their traceback. ValueError covers ConfigError and SequenceTooLongError.
-    return (ValueError, RunDirError, NonFiniteError, FileNotFoundError)
+    # What bad input and a bad machine raise (each message names the cause and the fix, an
+    # OSError its path and errno: a full disk, a read-only folder); the rest are bugs and keep
+    # their traceback. ValueError covers ConfigError and SequenceTooLongError.
+    return (ValueError, RunDirError, NonFiniteError, CheckpointError, OSError)
 
 
 def _run_with_progress(trainer, resume: bool, console: Console) -> dict:
@@ -240,11 +247,12 @@ def export_command(
     step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).")] = None,
 ) -> None:
     """Write a run's checkpoint as a Hugging Face model folder (from_pretrained loads it)."""
+    from cod_fast.checkpoint import CheckpointError
     from cod_fast.export import export_model
 
     try:
         ckpt = export_model(run_dir, out, step)
-    except (FileNotFoundError, ConfigError) as e:
+    except (OSError, ConfigError, CheckpointError) as e:
         Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
     typer.echo(f"wrote step {ckpt.step} of {run_dir} to {out}")

@@ -19,6 +19,7 @@ from cod_fast.config import Config, dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
 from cod_fast.model import BUILTIN_TINY, load_policy
 from cod_fast.policy import Policy
+from cod_fast.tokenizer import load_saved_tokenizer
 
 RUN_CONFIG = "cod_fast_run.yaml"
 """The run's resolved config, in an exported model folder."""
@@ -56,9 +57,7 @@ def export_model(run_dir: str | Path, out: str | Path, step: int | None = None) 
     ckpt = _checkpoint(run_dir, step)
     tokenizer = None
     if cfg.model.name_or_path == BUILTIN_TINY and (run_dir / "tokenizer").exists():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+        tokenizer = load_saved_tokenizer(run_dir / "tokenizer")
     model, tokenizer = load_policy(cfg.model, "cpu", cfg.train.seed, tokenizer)
     one_process = DistContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None

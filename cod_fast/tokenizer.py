@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -80,3 +81,13 @@ def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()  # characters join back without separators
     eos = "<|im_end|>" if chat_template else "<eos>"
     return _wrap(tok, chat_template, CHATML_SPECIALS, eos)
+
+
+def load_saved_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
+    """A tokenizer folder that a run saved (its bpe vocabulary), read as data only.
+
+    The concrete fast class reads tokenizer.json and its JSON settings; AutoTokenizer would also
+    follow an `auto_map` in a folder someone else wrote to Python code there, and ask on the
+    terminal whether to run it.
+    """
+    return PreTrainedTokenizerFast.from_pretrained(folder)

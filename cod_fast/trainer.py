@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from cod_fast.algo.assign import assign_advantages
 from cod_fast.checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     read_model_state,
     read_optimizer_state,
@@ -73,6 +74,8 @@ from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
 from cod_fast.warmstart import SFT_LOSS, demonstrations, run_tokenizer
 
 REFERENCE = "reference.safetensors"
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Signals that finish the step, checkpoint and end the run (a second one ends it at once)."""
 """The KL reference's weights in the run directory."""
 
 
@@ -144,6 +147,7 @@ class Trainer:
         self.reference: Policy | None = None
         self.step = 0
         self.stop_requested = False
+        self.stop_signal: int | None = None
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -178,24 +182,27 @@ class Trainer:
     def run(
         self, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None
     ) -> dict[str, Any]:
-        """Train to the end, or until Ctrl-C (which finishes the step and checkpoints first);
-        returns a summary with every evaluation of the run."""
+        """Train to the end, or until SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption),
+        either of which finishes the step and checkpoints first; returns a summary with every
+        evaluation of the run and the signal that stopped it, if one did."""
         started = time.perf_counter()
         self._restore_or_start(resume)
         self._sync_sampler()
         if self.step == 0:
             self._evaluate("start")
-        previous = signal.signal(signal.SIGINT, self._request_stop)
+        previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         try:
             self._loop(on_step)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if self.step == self.total_steps:
             self._evaluate("end" if self.cfg.train.steps else "after warm start")
         self.log.close()
         return {
             "steps": self.step,
             "stopped": self.step < self.total_steps,
+            "signal": self.stop_signal,
             "seconds": time.perf_counter() - started,
             "evals": self.log.evaluations() if self.ctx.is_main else [],
         }
@@ -228,9 +235,9 @@ class Trainer:
                 self._evaluate(f"rl step {rl_steps}")
 
     def _request_stop(self, signum, frame) -> None:
-        if self.stop_requested:  # a second Ctrl-C: stop at once
+        if self.stop_requested:  # a second signal: stop at once
             raise KeyboardInterrupt
-        self.stop_requested = True
+        self.stop_requested, self.stop_signal = True, signum
 
     def _one_step(self) -> dict[str, Any]:
         warm = self.step < self.warm_steps
@@ -397,17 +404,23 @@ class Trainer:
         ranks = gather_objects(rank_state, self.ctx)
         weights = model_state(self.policy, self.ctx)
         optim = optimizer_state(self.policy, self.optimizer, self.ctx)
+        failure = None
         if self.ctx.is_main:
-            save_checkpoint(
-                self.run_dir,
-                self.step,
-                weights,
-                optim,
-                rank_states=ranks,
-                extra={"warm_start_steps": self.warm_steps, "world_size": self.ctx.world_size},
-                keep=self.cfg.runtime.keep_checkpoints,
-            )
-        barrier(self.ctx)
+            try:
+                save_checkpoint(
+                    self.run_dir,
+                    self.step,
+                    weights,
+                    optim,
+                    rank_states=ranks,
+                    extra={"warm_start_steps": self.warm_steps, "world_size": self.ctx.world_size},
+                    keep=self.cfg.runtime.keep_checkpoints,
+                )
+            except CheckpointError as exc:
+                failure = exc
+        # Every rank learns whether the save failed (this also waits for it), so all stop alike.
+        if all_reduce_max(int(failure is not None), self.ctx):
+            raise failure or CheckpointError("the main process could not write the checkpoint")
 
     def _restore_or_start(self, resume: bool) -> None:
         ckpt = latest_checkpoint(self.run_dir)

@@ -29,7 +29,7 @@ from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver, RunState
 from cod_fast.rollout.hints import HINT_END, HINT_START, hint_block
 from cod_fast.rollout.sampler import Sample, text_sample
-from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer
+from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer, load_saved_tokenizer
 
 SFT_LOSS = LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.2, agg="token-mean")
 
@@ -121,9 +121,7 @@ def run_tokenizer(
         return char_tokenizer(CHATML)
     saved = Path(cfg.runtime.run_dir) / "tokenizer"
     if saved.exists():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(saved)
+        return load_saved_tokenizer(saved)
     tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
     if is_main:
         tokenizer.save_pretrained(saved)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -117,24 +118,63 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
     assert evals[0] == evals[1]
 
 
-def test_ctrl_c_finishes_the_step_and_checkpoints(tmp_path):
-    """A real SIGINT during a step lets the step finish, saves a checkpoint of it, and returns
-    `stopped`; the checkpoint holds the parameters the run ended with."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_finishes_the_step_and_checkpoints(tmp_path, sig):
+    """A real SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) during a step lets the step
+    finish, saves a checkpoint of it (rewriting the periodic one of the same step), and returns
+    `stopped` with the signal; the checkpoint holds the parameters the run ended with."""
     trainer = Trainer(config(tmp_path / "run"))
-    handler = signal.getsignal(signal.SIGINT)
+    handler = signal.getsignal(sig)
 
     def interrupt(record):
         if record["step"] == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
 
     summary = trainer.run(on_step=interrupt)
-    assert summary["stopped"] and summary["steps"] == 2
+    assert summary["stopped"] and summary["steps"] == 2 and summary["signal"] == sig
     ckpt = latest_checkpoint(tmp_path / "run")
     assert ckpt.step == 2
     saved = read_model_state(ckpt)
     for name, param in trainer.policy.model.named_parameters():
         assert torch.equal(saved[name], param.detach()), name
-    assert signal.getsignal(signal.SIGINT) is handler  # the run's own handler is gone
+    assert signal.getsignal(sig) is handler  # the run's own handler is gone
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*step*"))
+
+
+def test_cli_exits_128_plus_the_signal_after_a_requested_stop(tmp_path, monkeypatch):
+    """`cod-fast train` stopped by SIGTERM saves its checkpoint and exits 143 (128 + 15), so a
+    job script can tell a preemption from a finished run; `--resume` then finishes the run."""
+    run = tmp_path / "run"
+    one_step = trainer_module.Trainer._one_step
+
+    def step_then_term(self):
+        record = one_step(self)
+        if self.step == 3 and not self.stop_requested:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return record
+
+    monkeypatch.setattr(trainer_module.Trainer, "_one_step", step_then_term)
+    args = ["train", "--preset", "tiny-cpu"]
+    for override in [*FAST, f"runtime.run_dir={run}"]:
+        args += ["--set", override]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert latest_checkpoint(run).step == 3
+    monkeypatch.undo()
+    resumed = runner.invoke(app, [*args, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert latest_checkpoint(run).step == 4
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="sysfs (/sys) takes no new folders")
+def test_unwritable_run_directory_is_one_line_naming_it():
+    """A run directory that cannot be created (here under /sys, read-only even for root) ends
+    `cod-fast train` with exit code 2 and one line naming the folder and the cause."""
+    run = "/sys/cod_fast_run"
+    result = runner.invoke(app, ["train", "--set", f"runtime.run_dir={run}"])
+    assert result.exit_code == 2, result.output
+    assert run in result.output and "Traceback" not in result.output
+    assert "not permitted" in result.output or "Read-only" in result.output, result.output
 
 
 def test_existing_run_directory_needs_resume(tmp_path):

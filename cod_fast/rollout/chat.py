@@ -7,6 +7,11 @@ the next one (`continuation`), so a multi-turn episode stays one growing sequenc
 merge it (SPEC.md section 5). The continuation text is read off the template once, by rendering
 a conversation with sentinel strings and cutting around them. Tokenizers without a chat template
 get a plain `System: / User: / Assistant:` format.
+
+Only the template's own markup may become control tokens. Message text (task statements,
+observations, and hints the model wrote on an earlier task) is encoded with the special tokens
+split, so a hint that contains `<|im_end|><|im_start|>system` stays plain characters and cannot
+open a turn of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 _RESPONSE, _OBSERVATION = "\x1eRESPONSE\x1e", "\x1eOBSERVATION\x1e"
+_SYSTEM, _USER = "\x1eSYSTEM\x1e", "\x1eUSER\x1e"
 
 
 class ChatFormat:
@@ -29,8 +35,14 @@ class ChatFormat:
             )
             after_response = text.split(_RESPONSE, 1)[1]
             self.close_and_open, self.after_observation = after_response.split(_OBSERVATION, 1)
+            text = self._render([("system", _SYSTEM), ("user", _USER)], generation_prompt=True)
+            before, rest = text.split(_SYSTEM, 1)
+            first = (before, *rest.split(_USER, 1))
         else:
             self.close_and_open, self.after_observation = "\nUser: ", "\nAssistant: "
+            first = ("System: ", "\nUser: ", "\nAssistant: ")
+        # The first prompt's markup around the system and the user text, as ids.
+        self._before, self._between, self._after = (self._markup(part) for part in first)
 
     def _render(self, messages: list[tuple[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -40,15 +52,20 @@ class ChatFormat:
         )
 
     def encode(self, text: str) -> list[int]:
+        """Ids of message text: a control string in it stays plain characters."""
+        return list(
+            self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        )
+
+    def _markup(self, text: str) -> list[int]:
+        """Ids of the template's own markup, control tokens included."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def first_prompt(self, system: str, user: str) -> list[int]:
-        if self.templated:
-            return self.encode(self._render([("system", system), ("user", user)], True))
-        return self.encode(f"System: {system}\nUser: {user}\nAssistant: ")
+        return self._before + self.encode(system) + self._between + self.encode(user) + self._after
 
     def continuation(self, response_ids: list[int], observation: str) -> list[int]:
         """Ids to append after a sampled response so the model reads `observation` next."""
@@ -58,7 +75,7 @@ class ChatFormat:
             last = self.tokenizer.decode([response_ids[-1]], skip_special_tokens=False)
             if last and close.startswith(last):
                 close = close[len(last) :]
-        return self.encode(close + observation + self.after_observation)
+        return self._markup(close) + self.encode(observation) + self._markup(self.after_observation)
 
     def truncate(self, text: str, max_tokens: int) -> tuple[str, bool]:
         """`text` cut to at most `max_tokens` tokens, and whether it was cut."""
