@@ -64,9 +64,11 @@ def load_policy(
         model, tokenizer = build_tiny_qwen3(cfg, seed, tokenizer)
         model = model.to(dtype)
     else:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path)
+        # Never code from a model folder: a model that needs its own Python fails with
+        # transformers' message instead of asking on the terminal whether to run it.
+        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=dtype, attn_implementation="sdpa"
+            cfg.name_or_path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
         )
     prepare_model(model, cfg, device)
     return model.to(device), tokenizer

@@ -31,6 +31,13 @@ class GuessTask(Task):
             raise RuntimeError("simulated environment failure")
         if self.fail_on_step == "hang":
             threading.Event().wait()  # never set: a step that never returns
+        if self.fail_on_step == "regex":  # backtracks 2^40 times, holding the GIL throughout
+            re.match(r"(a+)+$", "a" * 40 + "b")
+        if self.fail_on_step == "swallow":  # an environment that catches every Exception
+            try:
+                threading.Event().wait()
+            except Exception:
+                return StepOutcome("swallowed", done=True)
         match = re.fullmatch(r"\s*(\d)\s*", action)
         if match is None:
             return StepOutcome("Expected one digit 0-9.", done=True, valid=False)

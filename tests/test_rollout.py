@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -12,7 +13,13 @@ from cod_fast.config import AlgoConfig
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.packing import pack_microbatches, rollout_sequences
 from cod_fast.rollout.chat import ChatFormat
-from cod_fast.rollout.driver import DriverSettings, RolloutDriver, _EnvTimeout, _EnvWorker
+from cod_fast.rollout.driver import (
+    DriverSettings,
+    RolloutDriver,
+    _call_with_alarm,
+    _EnvTimeout,
+    _EnvWorker,
+)
 from cod_fast.rollout.hints import HINT_END, HINT_START, NO_HINT, context_line, parse_hints
 from cod_fast.rollout.sampler import TextPolicySampler
 from tests.rollout_helpers import CHATML, GuessEnv, char_tokenizer, guess_policy
@@ -213,6 +220,48 @@ def test_hanging_environment_times_out_alone():
     hung, healthy = rollouts
     assert all("TimeoutError" in e.info["error"] for e in hung.episodes if e.kind == "solve")
     assert hung.task_rewards == [0.0, 0.0] and healthy.task_rewards == [1.0, 1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["regex", "swallow"])
+def test_timeout_stops_the_call_itself(failure):
+    """On the main thread the timeout ends the environment call itself: a catastrophic regular
+    expression (which holds the GIL, so no other thread could even time it) and a step that
+    catches every Exception both end within the timeout plus slack, their episodes score as
+    TimeoutError, and no thread is left running them."""
+    seeds = pack_seeds("test", 2)
+    before = threading.active_count()
+    started = time.monotonic()
+    rollouts, _ = run_guess(
+        env=GuessEnv(failing_pack_seed=seeds[0], failure=failure), group=1, tasks=2, timeout=1.0
+    )
+    assert time.monotonic() - started < 2 * 1.0 + 3.0  # two timed-out tasks, plus slack
+    stuck, healthy = rollouts
+    assert all("TimeoutError" in e.info["error"] for e in stuck.episodes if e.kind == "solve")
+    assert healthy.task_rewards == [1.0, 1.0]
+    assert threading.active_count() == before
+
+
+def test_alarm_restores_the_previous_handler_and_timer():
+    """A timed call puts back the SIGALRM handler it found and re-arms a timer that was set."""
+    fired = []
+
+    def handler(signum, frame):
+        fired.append(signum)
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        assert _call_with_alarm(lambda: 42, 5.0) == 42
+        assert signal.getsignal(signal.SIGALRM) is handler
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.3
+        deadline = time.monotonic() + 3.0
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fired == [signal.SIGALRM]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_env_worker_reuses_one_thread_and_replaces_a_stuck_one():

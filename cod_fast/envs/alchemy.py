@@ -30,11 +30,22 @@ import random
 import re
 from dataclasses import dataclass
 
-from cod_fast.envs.base import Agent, Environment, Setting, Size, StepOutcome, Task, rng_for
+from cod_fast.envs.base import (
+    Agent,
+    Environment,
+    Setting,
+    Size,
+    StepOutcome,
+    Tag,
+    Task,
+    rng_for,
+    too_long,
+)
 
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_ANSWER = Tag("answer")
+EXPECTED = "expected one combination like <answer>A + B</answer>"
 _PAIR = re.compile(r"^\s*([a-z0-9]+)\s*\+\s*([a-z0-9]+)\s*$")
 _RECIPE = re.compile(r"([a-z0-9]+)\s*\+\s*([a-z0-9]+)\s*=\s*([a-z0-9]+)")
 _FAILED = re.compile(r"([a-z0-9]+)\s*\+\s*([a-z0-9]+)")
@@ -240,7 +251,7 @@ class AlchemyTask(Task):
         self.have: dict[str, int] = dict.fromkeys(self.graph.base, units)
         self.rounds_used = 0
         self.made = False
-        self.malformed = False
+        self.malformed: str | None = None  # why an action was refused, for the feedback
         self.last_result = ""
         if self.settings.letters:
             return f"have {self._inventory()}"
@@ -265,12 +276,12 @@ class AlchemyTask(Task):
         return f"{a} + {b} -> {product} (tier {self.graph.tier[product]})."
 
     def step(self, action: str) -> StepOutcome:
-        found = _ANSWER.findall(action)
-        pair = _PAIR.match(found[-1].lower()) if found else None
+        problem = too_long(action)
+        block = None if problem else _ANSWER.last_block(action)
+        pair = _PAIR.match(block.lower()) if block is not None else None
         if pair is None:
-            self.malformed = True
-            expected = "Invalid action: expected one combination like <answer>A + B</answer>."
-            return StepOutcome(expected, done=True, valid=False)
+            self.malformed = f"{problem}; {EXPECTED}" if problem else EXPECTED
+            return StepOutcome(f"Invalid action: {self.malformed}.", done=True, valid=False)
         self.rounds_used += 1
         self.last_result = self._combine(*pair.groups())
         stuck = sum(self.have.values()) < 2  # limited materials used up
@@ -301,7 +312,7 @@ class AlchemyTask(Task):
         # The last result is repeated: the update episode sees each observation only before an
         # action, so without it the final discovery would be lost.
         if self.malformed:
-            return "Invalid action format; expected <answer>A + B</answer>. Reward 0."
+            return f"Invalid action: {self.malformed}. Reward 0."
         if self.settings.letters:
             return f"{self.last_result}. {'made' if self.made else 'not made'} {self.target}"
         if self.made:

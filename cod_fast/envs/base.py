@@ -7,6 +7,13 @@ itself and its action format (`prompt`), shows a first observation (`reset`), ta
 environment's stated reward and feedback that says what was expected. Environment code never runs
 model text as code.
 
+Model text is hostile input: it may be megabytes long, repeat a tag 50,000 times or spell a number
+with 16,000 digits. Every `Task.step` refuses an action longer than MAX_ACTION_CHARS before it
+parses anything (`too_long`), and every pattern applied to model text runs in time linear in its
+input: `Tag` finds tagged blocks without a lazy `(.*?)`, and NUMBER has no two parts that can
+match the same digits. Numbers read from model text go through range checks, so an overflow, an
+infinity or an integer past Python's digit limit is a malformed action, not an exception.
+
 Each environment also ships two scripted agents: a solver that reads the hidden rule from the
 task (an upper bound, and a test of the environment), and an explorer that does not know the rule
 but writes what it learns into hints and reads them back on the next task. `play_pack` runs a
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -25,6 +33,13 @@ from typing import ClassVar, Literal
 Setting = Literal["train", "eval"]
 Size = Literal["tiny", "full"]
 NO_HINTS = None
+MAX_ACTION_CHARS = 32_000
+"""The longest action an environment reads: a 2048-token response is well under 10,000
+characters, and refusing longer text before parsing bounds every parser's work."""
+NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
+r"""A decimal number in model text (`3`, `-0.5`, `.5`, `2.`, `1e-3`). No two of its parts can match
+the same digits: `\d*\.?\d+` could, and retried every split of a digit run (16,000 digits took
+seconds)."""
 
 
 def derive_seed(*parts: object) -> int:
@@ -35,6 +50,36 @@ def derive_seed(*parts: object) -> int:
 
 def rng_for(*parts: object) -> random.Random:
     return random.Random(derive_seed(*parts))
+
+
+def too_long(action: str) -> str | None:
+    """Why `action` is refused before it is parsed (None when its length is fine); a Task.step
+    turns this into its own malformed-action outcome."""
+    if len(action) <= MAX_ACTION_CHARS:
+        return None
+    return f"the action is too long: {len(action)} characters, at most {MAX_ACTION_CHARS}"
+
+
+class Tag:
+    """Finds `<name>...</name>` blocks in model text (case-insensitive; with `spaced`, also
+    `< name >` and `</ name >`): the blocks `re.findall(r"<name>(.*?)</name>")` finds, in time
+    linear in the text. The lazy `(.*?)` rescans the rest of the text from every opening tag that
+    has no closing one, which took 11 s on 128K characters of repeated `<answer>`; here each
+    search starts where the previous one stopped."""
+
+    def __init__(self, name: str, spaced: bool = False):
+        gap = r"\s*" if spaced else ""
+        self.opening = re.compile(rf"<{gap}{name}{gap}>", re.IGNORECASE)
+        self.closing = re.compile(rf"<{gap}/{gap}{name}{gap}>", re.IGNORECASE)
+
+    def last_block(self, text: str) -> str | None:
+        """The content of the last complete block, None when there is none."""
+        block, pos = None, 0
+        while (start := self.opening.search(text, pos)) and (
+            end := self.closing.search(text, start.end())
+        ):
+            block, pos = text[start.end() : end.start()], end.end()
+        return block
 
 
 @dataclass
@@ -70,7 +115,7 @@ class Task(ABC):
 
     @abstractmethod
     def step(self, action: str) -> StepOutcome:
-        """Apply one action (model text, untrusted)."""
+        """Apply one action (model text, untrusted: refused as malformed when `too_long`)."""
 
     @property
     @abstractmethod

@@ -26,12 +26,23 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
-from cod_fast.envs.base import Agent, Environment, Setting, Size, StepOutcome, Task, rng_for
+from cod_fast.envs.base import (
+    MAX_ACTION_CHARS,
+    Agent,
+    Environment,
+    Setting,
+    Size,
+    StepOutcome,
+    Task,
+    rng_for,
+    too_long,
+)
 
 Cell = tuple[int, int]
 DIRECTIONS: dict[str, Cell] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 ACTIONS = (1, 2, 3, 4)
-_ACTION_RE = re.compile(r"[`'\"]*\s*direction\s*([1-4])\s*\.?\s*[`'\"]*", re.IGNORECASE)
+# `\s*(?:\.\s*)?`, not `\s*\.?\s*`: two adjacent `\s*` retry every split of a run of spaces.
+_ACTION_RE = re.compile(r"[`'\"]*\s*direction\s*([1-4])\s*(?:\.\s*)?[`'\"]*", re.IGNORECASE)
 _HINT_RE = re.compile(r"([1-4])\s*=\s*(up|down|left|right|\?)", re.IGNORECASE)
 _POS_RE = re.compile(r"pos (\d+) (\d+)|row (\d+), col (\d+)")
 
@@ -158,18 +169,19 @@ class FrozenLakeTask(Task):
 
     def reset(self) -> str:
         self.pos, self.steps, self.done = self.start, 0, False
-        self.outcome = ""  # '', 'goal', 'hole', 'out' or 'invalid'
+        self.outcome = ""  # '', 'goal', 'hole', 'out', 'invalid' or 'too_long'
         self.last_event = ""
         return self._describe("")
 
     def step(self, action: str) -> StepOutcome:
         if self.done:
             return StepOutcome(self.feedback(), done=True)
+        problem = too_long(action)
+        if problem is not None:
+            return self._refuse("too_long", f"Invalid action ({problem}): {EXPECTED}.")
         match = _ACTION_RE.fullmatch(action.strip())
         if match is None:
-            self.done, self.outcome = True, "invalid"
-            shown = action.strip()[:40]
-            return StepOutcome(f"Invalid action {shown!r}: {EXPECTED}.", done=True, valid=False)
+            return self._refuse("invalid", f"Invalid action {action.strip()[:40]!r}: {EXPECTED}.")
         self.steps += 1
         target = _shift(self.pos, self.mapping[int(match.group(1))])
         event = ""
@@ -187,6 +199,10 @@ class FrozenLakeTask(Task):
         self.done = bool(self.outcome)
         self.last_event = event
         return StepOutcome(self._describe(event), done=self.done)
+
+    def _refuse(self, outcome: str, observation: str) -> StepOutcome:
+        self.done, self.outcome = True, outcome
+        return StepOutcome(observation, done=True, valid=False)
 
     @property
     def reward(self) -> float:
@@ -206,6 +222,7 @@ class FrozenLakeTask(Task):
                 "out": "out of steps",
                 "": "unfinished",
                 "invalid": "bad action, Direction 1-4",
+                "too_long": "action too long, Direction 1-4",
             }[self.outcome]
             return f"{result} at pos {r} {c}"
         result = {
@@ -214,6 +231,8 @@ class FrozenLakeTask(Task):
             "out": "Ran out of actions",
             "": "Not finished",
             "invalid": f"Stopped by an invalid action ({EXPECTED})",
+            "too_long": f"Stopped by an action too long to read (over {MAX_ACTION_CHARS} "
+            f"characters; {EXPECTED})",
         }[self.outcome]
         return f"{result}; final position row {r}, col {c}."
 

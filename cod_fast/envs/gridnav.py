@@ -26,11 +26,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cod_fast.envs.base import Agent, Environment, Setting, Size, StepOutcome, Task, rng_for
+from cod_fast.envs.base import (
+    MAX_ACTION_CHARS,
+    Agent,
+    Environment,
+    Setting,
+    Size,
+    StepOutcome,
+    Task,
+    rng_for,
+    too_long,
+)
 
 Cell = tuple[int, int]
 DIRECTIONS: dict[str, Cell] = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
-_MOVE_RE = re.compile(r"[`'\"]*\s*(up|down|left|right)\s+(\d{1,3})\s*\.?\s*[`'\"]*", re.IGNORECASE)
+# `\s*(?:\.\s*)?`, not `\s*\.?\s*`: two adjacent `\s*` retry every split of a run of spaces.
+_MOVE_RE = re.compile(
+    r"[`'\"]*\s*(up|down|left|right)\s+(\d{1,3})\s*(?:\.\s*)?[`'\"]*", re.IGNORECASE
+)
 _POS_RE = re.compile(r"pos (\d+) (\d+)|row (\d+), col (\d+)")
 _NEAR_RE = re.compile(r"(?:near |off the map\): )([-#\d /]+)")
 PRIOR_COST = 30.0
@@ -193,17 +206,18 @@ class GridNavTask(Task):
     def reset(self) -> str:
         self.pos, self.steps, self.done = self.start, 0, False
         self.paid: list[int] = []
-        self.outcome = ""  # '', 'goal', 'out' or 'invalid'
+        self.outcome = ""  # '', 'goal', 'out', 'invalid' or 'too_long'
         return self._describe("")
 
     def step(self, action: str) -> StepOutcome:
         if self.done:
             return StepOutcome(self.feedback(), done=True)
+        problem = too_long(action)
+        if problem is not None:
+            return self._refuse("too_long", f"Invalid move ({problem}): {EXPECTED}.")
         match = _MOVE_RE.fullmatch(action.strip())
         if match is None or int(match.group(2)) < 1:
-            self.done, self.outcome = True, "invalid"
-            shown = action.strip()[:40]
-            return StepOutcome(f"Invalid move {shown!r}: {EXPECTED}.", done=True, valid=False)
+            return self._refuse("invalid", f"Invalid move {action.strip()[:40]!r}: {EXPECTED}.")
         dr, dc = DIRECTIONS[match.group(1).lower()]
         distance = int(match.group(2))
         r = min(max(self.pos[0] + dr * distance, 0), self.cost_map.height - 1)
@@ -217,6 +231,10 @@ class GridNavTask(Task):
             self.done = True
             self.outcome = event = "goal" if self.pos == self.goal else "out"
         return StepOutcome(self._describe(event), done=self.done)
+
+    def _refuse(self, outcome: str, observation: str) -> StepOutcome:
+        self.done, self.outcome = True, outcome
+        return StepOutcome(observation, done=True, valid=False)
 
     @property
     def reward(self) -> float:
@@ -238,6 +256,7 @@ class GridNavTask(Task):
                 "out": "missed goal",
                 "": "unfinished",
                 "invalid": "bad action, expected e.g. right 2",
+                "too_long": "action too long, expected e.g. right 2",
             }
             return f"{result[self.outcome]} at pos {r} {c} near {self._near()}"
         result = {
@@ -245,6 +264,8 @@ class GridNavTask(Task):
             "out": "Did not end on the goal",
             "": "Not finished",
             "invalid": f"Stopped by an invalid move ({EXPECTED})",
+            "too_long": f"Stopped by a move too long to read (over {MAX_ACTION_CHARS} "
+            f"characters; {EXPECTED})",
         }
         return (
             f"{result[self.outcome]}. Final position row {r}, col {c}; the 3x3 block "

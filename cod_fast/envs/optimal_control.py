@@ -30,7 +30,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from cod_fast.envs.base import Agent, Environment, StepOutcome, Task, rng_for
+from cod_fast.envs.base import NUMBER, Agent, Environment, StepOutcome, Tag, Task, rng_for, too_long
 from cod_fast.envs.expr import ExpressionError, parse_expression
 
 UNPARSABLE_REWARD = -0.1
@@ -38,8 +38,7 @@ FAILED_REWARD = 0.0
 SUCCESS_TOLERANCE = 0.1
 """A run succeeds when it ends within this distance of both x* and v*."""
 LAW_VARIABLES = ("x", "v", "t")
-_LAW_RE = re.compile(r"<\s*law\s*>(.*?)<\s*/\s*law\s*>", re.IGNORECASE | re.DOTALL)
-_NUMBER = r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?"
+_LAW = Tag("law", spaced=True)
 
 
 @dataclass(frozen=True)
@@ -198,17 +197,20 @@ class OptimalControlTask(Task):
         if self._done:
             return StepOutcome("The task is over.", done=True)
         self._done = True
-        blocks = _LAW_RE.findall(action)
-        if not blocks:
-            self._reward = UNPARSABLE_REWARD
-            self.error = "no <law>...</law> block; expected e.g. <law>-0.8*(x-2) - 1.2*v</law>"
-            return StepOutcome(f"Invalid answer: {self.error}.", done=True, valid=False)
+        problem = too_long(action)
+        if problem is not None:
+            return self._unparsable(f"{problem}; expected one <law>FORMULA</law>")
+        block = _LAW.last_block(action)
+        if block is None:
+            return self._unparsable(
+                "no <law>...</law> block; expected e.g. <law>-0.8*(x-2) - 1.2*v</law>"
+            )
         try:
-            law = parse_expression(blocks[-1], LAW_VARIABLES)
+            law = parse_expression(block, LAW_VARIABLES)
         except ExpressionError as err:
-            self._reward = UNPARSABLE_REWARD
-            self.error = f"the law does not parse: {err}; expected <law>FORMULA in x, v, t</law>"
-            return StepOutcome(f"Invalid answer: {self.error}.", done=True, valid=False)
+            return self._unparsable(
+                f"the law does not parse: {err}; expected <law>FORMULA in x, v, t</law>"
+            )
         self.law_text = law.text
         try:
             self.run = simulate(lambda x, v, t: law(x=x, v=v, t=t), self.dynamics, self.setup)
@@ -218,6 +220,11 @@ class OptimalControlTask(Task):
             return StepOutcome(f"Run failed: {err}.", done=True)
         self._reward = 1.0 / (1.0 + self.run.loss)
         return StepOutcome(self._outcome_line(), done=True)
+
+    def _unparsable(self, error: str) -> StepOutcome:
+        self._reward = UNPARSABLE_REWARD
+        self.error = error
+        return StepOutcome(f"Invalid answer: {error}.", done=True, valid=False)
 
     def _outcome_line(self) -> str:
         assert self.run is not None
@@ -313,7 +320,7 @@ class OptimalControlSolver(Agent):
 
 PRIOR = Dynamics(a=0.9, b=0.8)
 """The explorer's guess before any evidence (mid-range a, b assumed positive)."""
-_HINT_RE = re.compile(rf"a\s*=\s*({_NUMBER}).*?b\s*=\s*({_NUMBER})", re.DOTALL)
+_HINT_RE = re.compile(rf"a\s*=\s*({NUMBER}).*?b\s*=\s*({NUMBER})", re.DOTALL)
 
 
 def parse_dynamics_hint(hints: str | None) -> Dynamics | None:
@@ -350,7 +357,7 @@ class OptimalControlExplorer(Agent):
         self.model = parse_dynamics_hint(hints) or PRIOR
 
     def act(self, observation: str) -> str:
-        n = _NUMBER
+        n = NUMBER
         full = _numbers(
             rf"x=({n}) v=({n}); target x\*=({n}) v\*=({n}) at T=({n}); "
             rf"cost c=({n})",
@@ -370,7 +377,7 @@ class OptimalControlExplorer(Agent):
         return f"<law>{design_law(Dynamics(a, b), setup, digits=1 if tiny else 2)}</law>"
 
     def write_hints(self, task: Task, old_hints: str | None) -> str | None:
-        n = _NUMBER
+        n = NUMBER
         text = task.feedback()
         found = re.findall(rf"\(({n}), ({n}), ({n})\)", text) or re.findall(
             rf"({n}),({n}),({n})", text

@@ -26,10 +26,11 @@ in the span of B, however it is written). With the true coefficients c_j,
     error = sum_j |a_j - c_j| / sum_j |c_j|,   extra = #{j: c_j = 0, a_j != 0} (+1 if the answer
     has a part outside the span of B),   reward = 1 / (1 + error + 0.25 extra).
 
-A malformed action (unknown command, bad numbers, unknown term, an answer that does not parse)
-ends the task with reward 0. The reward is not revealed (`reveals_reward = False`); the feedback
-repeats what the tools returned. What carries across a pack is the support and the coefficients:
-a later task regressed on the right terms only has less variance, and estimates pool across tasks.
+A malformed action (unknown command, bad numbers or a time outside [0, T_END], unknown term, an
+answer that does not parse, an action over MAX_ACTION_CHARS) ends the task with reward 0. The
+reward is not revealed (`reveals_reward = False`); the feedback repeats what the tools returned.
+What carries across a pack is the support and the coefficients: a later task regressed on the
+right terms only has less variance, and estimates pool across tasks.
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cod_fast.envs.base import Agent, Environment, StepOutcome, Task, derive_seed, rng_for
+from cod_fast.envs.base import (
+    NUMBER,
+    Agent,
+    Environment,
+    StepOutcome,
+    Tag,
+    Task,
+    derive_seed,
+    rng_for,
+    too_long,
+)
 from cod_fast.envs.expr import Expression, ExpressionError, parse_expression
 
 TRAIN_TERMS = ("u", "u^2", "u^3")
@@ -69,8 +80,11 @@ NOISE = 0.015
 T_END = 0.5
 SNAPSHOTS = 21
 NX = 64
-_NUMBER = r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?"
-_ANSWER_RE = re.compile(r"<\s*answer\s*>(.*?)<\s*/\s*answer\s*>", re.IGNORECASE | re.DOTALL)
+MAX_COUNT_DIGITS = 9
+"""N of `sample T N` may have this many digits (a larger count is clamped to the budget anyway;
+a longer one is no count, and int() refuses one past Python's digit limit)."""
+_ANSWER = Tag("answer", spaced=True)
+_SAMPLE_ARGS = re.compile(rf"\s*({NUMBER})\s+(\d+)\s*")
 
 
 @dataclass(frozen=True)
@@ -191,16 +205,17 @@ def parse_terms(text: str) -> list[str] | None:
     text = re.sub(r"\s+", "", text.replace("**", "^")).lower()
     names = sorted(BASIS, key=len, reverse=True)
     terms: list[str] = []
-    while text:
-        if text[0] == ",":
-            text = text[1:]
+    at = 0  # an index, not a shrinking copy of the text: linear in a long run of commas
+    while at < len(text):
+        if text[at] == ",":
+            at += 1
             continue
-        match = next((n for n in names if text.startswith(n)), None)
+        match = next((n for n in names if text.startswith(n, at)), None)
         if match is None:
             return None
         if match not in terms:
             terms.append(match)
-        text = text[len(match) :]
+        at += len(match)
     return terms or None
 
 
@@ -299,16 +314,19 @@ class PdeTask(Task):
         return outcome
 
     def _dispatch(self, action: str) -> StepOutcome:
-        blocks = _ANSWER_RE.findall(action)
+        problem = too_long(action)
+        if problem is not None:
+            return self._malformed(problem)
+        block = _ANSWER.last_block(action)
         lines = [line.strip() for line in action.strip().splitlines() if line.strip()]
         command = lines[-1] if lines else ""
-        if blocks or command.lower().startswith("answer "):
-            return self._answer(blocks[-1] if blocks else command[len("answer ") :])
+        if block is not None or command.lower().startswith("answer "):
+            return self._answer(block if block is not None else command[len("answer ") :])
         word, _, rest = command.partition(" ")
         word = word.lower()
-        numbers = re.fullmatch(rf"\s*({_NUMBER})\s+(\d+)\s*", rest)
-        if word == "sample" and numbers:
-            return StepOutcome(self._sample(float(numbers[1]), int(numbers[2])), done=False)
+        numbers = _SAMPLE_ARGS.fullmatch(rest) if word == "sample" else None
+        if numbers:
+            return self._sample_checked(numbers[1], numbers[2])
         if word == "regress":
             terms = parse_terms(rest)
             if terms is not None:
@@ -327,6 +345,18 @@ class PdeTask(Task):
         return StepOutcome(
             f"Malformed command ({what}); {expected}. Score 0.", done=True, valid=False
         )
+
+    def _sample_checked(self, t_text: str, n_text: str) -> StepOutcome:
+        """`sample T N` once T and N read as numbers: a time outside the simulated span (an
+        overflow to infinity included) or a count too long to be one is a malformed command."""
+        if len(n_text) > MAX_COUNT_DIGITS:
+            return self._malformed(
+                f"N has {len(n_text)} digits, expected at most {MAX_COUNT_DIGITS}"
+            )
+        t = float(t_text)  # never raises on a NUMBER: one too large reads as inf
+        if not 0 <= t <= T_END:
+            return self._malformed(f"T={t_text[:20]} is not a time in [0, {T_END:g}]")
+        return StepOutcome(self._sample(t, int(n_text)), done=False)
 
     def _sample(self, t: float, n: int) -> str:
         j = min(SNAPSHOTS - 2, max(1, round(t / self.field.gap)))
@@ -477,8 +507,8 @@ class PdeSolver(Agent):
         return self.action
 
 
-_FIT_RE = re.compile(rf"([^\s,=:]+)=({_NUMBER})\+-({_NUMBER})")
-_HINT_RE = re.compile(rf"([^\s,=]+)=({_NUMBER})(?:\+-({_NUMBER}))?")
+_FIT_RE = re.compile(rf"([^\s,=:]+)=({NUMBER})\+-({NUMBER})")
+_HINT_RE = re.compile(rf"([^\s,=]+)=({NUMBER})(?:\+-({NUMBER}))?")
 KEEP_T = 3.0
 """Backward elimination keeps a term while |coefficient| / standard error is at least this."""
 ADD_T = 3.0
@@ -533,7 +563,7 @@ class PdeExplorer(Agent):
         self.library = parse_terms(re.search(r"terms:? (.*?)\.(?:\s|$)", prompt)[1]) or []
         budget = int(re.search(r"(\d+) (?:points|pts)", prompt)[1])
         self.steps_left = int(re.search(r"(\d+) (?:responses|steps)", prompt)[1])
-        t_end = float(re.search(rf"0\s*<\s*T\s*<\s*({_NUMBER})", prompt)[1])
+        t_end = float(re.search(rf"0\s*<\s*T\s*<\s*({NUMBER})", prompt)[1])
         self.prior, self.other = parse_hints(hints)
         self.support = [t for t in BASIS if t in self.prior] or list(self.library)
         self.check_library = bool(self.prior) and set(self.support) != set(self.library)

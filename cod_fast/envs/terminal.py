@@ -30,12 +30,24 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from cod_fast.envs.base import Agent, Environment, Setting, Size, StepOutcome, Task, rng_for
+from cod_fast.envs.base import (
+    Agent,
+    Environment,
+    Setting,
+    Size,
+    StepOutcome,
+    Tag,
+    Task,
+    rng_for,
+    too_long,
+)
 
 DIALECTS = ("windows", "macos", "linux")
 PARTIAL_SCALE = 0.5
 """An incomplete or late goal earns at most this much (times the fraction of conditions met)."""
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_ANSWER = Tag("answer")
+MAX_LINE_CHARS = 200
+"""The longest command line the shell reads (goal commands are a few dozen characters)."""
 _CHAINING = re.compile(r"[;|&<>`]|\$\(")
 HOME = "home folder"
 """How goals name the home folder itself (a dialect-neutral name)."""
@@ -314,8 +326,8 @@ class Shell:
             if mac and "--color" in flags:  # BSD ls spells it -G
                 return "ls: unrecognized option `--color'"
             node = self.get(self.resolve(args[0]) if args else self.cwd)
-            if node is None:
-                return fail("ls", args[0], missing, "cannot access")
+            if node is None:  # with no argument: the working folder was removed (`rm -r .`)
+                return fail("ls", args[0] if args else ".", missing, "cannot access")
             if isinstance(node, str):
                 return args[0]
             mark = any("F" in f for f in flags)
@@ -450,7 +462,7 @@ class TerminalTask(Task):
         tree = copy.deepcopy(self.start_tree)
         self.shell = Shell(self.dialect, self.user, tree, self.settings.short)
         self.steps = 0
-        self.malformed = False
+        self.malformed: str | None = None  # why an action was refused, for the feedback
         self.last_output = ""
         return "ready" if self.settings.short else "(home folder; no command run yet)"
 
@@ -472,12 +484,14 @@ class TerminalTask(Task):
         return sum(self.holds(c) for c in self.conditions)
 
     def step(self, action: str) -> StepOutcome:
-        found = _ANSWER.findall(action)
-        line = found[-1].strip() if found else ""
-        words = tokenize(line) if line and "\n" not in line and not _CHAINING.search(line) else None
-        if not words or len(line) > 200:
-            self.malformed = True
-            return StepOutcome(f"Invalid action: expected {FORMAT}.", done=True, valid=False)
+        problem = too_long(action)
+        block = None if problem else _ANSWER.last_block(action)
+        line = block.strip() if block is not None else ""
+        readable = bool(line) and len(line) <= MAX_LINE_CHARS and "\n" not in line
+        words = tokenize(line) if readable and not _CHAINING.search(line) else None
+        if not words:
+            self.malformed = f"{problem}; expected {FORMAT}" if problem else f"expected {FORMAT}"
+            return StepOutcome(f"Invalid action: {self.malformed}.", done=True, valid=False)
         self.steps += 1
         output = self.shell.run(words)
         self.last_output = output or ("ok" if self.settings.short else "(no output)")
@@ -496,7 +510,7 @@ class TerminalTask(Task):
 
     def feedback(self) -> str:
         if self.malformed:
-            return f"Invalid action format; expected {FORMAT}. Reward 0."
+            return f"Invalid action: {self.malformed}. Reward 0."
         met, total, r = self.met(), len(self.conditions), self.reward
         if self.settings.short:
             return f"{met}/{total} done in {self.steps} cmds. reward {r:.2f}"

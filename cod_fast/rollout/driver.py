@@ -11,14 +11,18 @@ A failure stays with its own episode: a response cut at the length limit is reco
 finish reason (and usually fails to parse, which the environment scores); an environment that
 raises, or outlasts `env_timeout_s`, ends that solve episode with reward `error_reward` and the
 error in `Episode.info` (a NaN or infinite reward counts as such an error); the other runs go
-on.
+on. On the main thread (the normal case) a SIGALRM timer stops an environment call that
+outlasts its timeout, even one stuck in a regular expression, which holds the GIL and which no
+other thread could interrupt; elsewhere the call runs on a worker thread that is abandoned.
 """
 
 from __future__ import annotations
 
 import math
 import queue
+import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,16 +36,51 @@ from cod_fast.rollout.prompts import PROMPT_STYLES, Trajectory
 from cod_fast.rollout.sampler import Sample, Sampler
 
 
-class _EnvTimeout(Exception):
-    """An environment call outlasted DriverSettings.env_timeout_s."""
+class _EnvTimeout(BaseException):
+    """An environment call outlasted DriverSettings.env_timeout_s. A BaseException because the
+    alarm raises it inside the environment's code, whose `except Exception` must not swallow it."""
+
+
+def _expire(signum, frame):
+    raise _EnvTimeout
+
+
+def _alarm_works() -> bool:
+    """Whether a call may be timed by SIGALRM: only the main thread may set signal handlers,
+    and only POSIX systems have setitimer."""
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+def _call_with_alarm(fn, timeout: float):
+    """`fn()` on this (the main) thread, stopped by _EnvTimeout once `timeout` seconds pass.
+    The handler runs between bytecodes and in CPython's periodic signal checks (the regex
+    engine makes them), so the call itself ends: nothing is left running. The previous SIGALRM
+    handler comes back afterwards, and a timer someone else had set is re-armed with what it
+    had left (one due during the call fires right after it)."""
+    outer_delay, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, _expire)
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:  # also when the alarm fired just as fn returned, inside the inner finally
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+        if outer_delay:
+            left = outer_delay - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-6), outer_interval)
 
 
 class _EnvWorker:
-    """Runs environment calls on one daemon thread, reused from call to call (starting a thread
-    per call took a third of a scripted-explorer rollout's time). A call that outlasts its
-    timeout keeps that thread (Python cannot stop it): the worker drops it and the next call
-    starts a fresh one. `close` ends the idle thread (the driver closes its worker after each
-    `run`, so drivers made per batch leave no threads behind)."""
+    """The fallback off the main thread, where no signal can reach the call: runs environment
+    calls on one daemon thread, reused from call to call (starting a thread per call took a
+    third of a scripted-explorer rollout's time). A call that outlasts its timeout keeps that
+    thread (Python cannot stop it, and a call stuck in C code such as a regular expression
+    holds the GIL, starving the caller too): the worker drops it and the next call starts a
+    fresh one. `close` ends the idle thread (the driver closes its worker after each `run`, so
+    drivers made per batch leave no threads behind)."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue | None = None
@@ -86,8 +125,9 @@ class DriverSettings:
     error_reward: float = 0.0
     """Reward of a solve episode whose environment raised or timed out."""
     env_timeout_s: float | None = None
-    """Give up on an environment call after this long (None: wait). The call keeps running in a
-    daemon thread, since Python cannot stop it; the episode ends as an error."""
+    """Stop an environment call after this long (None: wait); the episode ends as an error. On
+    the main thread a SIGALRM timer interrupts the call itself; on any other thread the call
+    runs on a worker thread that is abandoned, still running, since Python cannot stop it."""
     length_penalty: float = 0.0
     """Subtracted from the reward of an episode with a response cut at the length limit."""
     prompt_style: Literal["full", "compact"] = "full"
@@ -211,7 +251,11 @@ class RolloutDriver:
         rollout."""
         timeout = self.settings.env_timeout_s
         try:
-            return call() if timeout is None else self._worker.call(call, timeout)
+            if timeout is None:
+                return call()
+            if _alarm_works():
+                return _call_with_alarm(call, timeout)
+            return self._worker.call(call, timeout)
         except _EnvTimeout:
             run.error = f"TimeoutError: the environment took longer than {timeout} s"
         except Exception as exc:  # environment code is not ours to trust: record, go on
