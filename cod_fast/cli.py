@@ -54,13 +54,23 @@ SetOption = Annotated[
 
 
 def _resolve_config(
-    preset: str | None, config_file: Path | None, overrides: list[str] | None
+    preset: str | None,
+    config_file: Path | None,
+    overrides: list[str] | None,
+    *,
+    for_training: bool = False,
 ) -> Config:
-    """The config the options describe; a ConfigError becomes one red line and exit code 2."""
+    """The config the options describe, `for_training` also checked against this machine
+    before any compute (cod_fast.preflight); a ConfigError becomes one red line and exit code 2."""
     try:
-        return load_config(
+        cfg = load_config(
             preset, None if config_file is None else str(config_file), overrides or ()
         )
+        if for_training:
+            from cod_fast.preflight import preflight  # imports torch: only `train` pays for it
+
+            preflight(cfg)
+        return cfg
     except ConfigError as e:
         Console(stderr=True).print(
             f"error: {e}", style="red", markup=False, highlight=False, soft_wrap=True
@@ -146,7 +156,7 @@ def train(
     Without arguments: the tiny-cpu preset, a tiny model on the CPU. Ctrl-C finishes the step,
     saves a checkpoint and exits; `--resume` continues from it.
     """
-    cfg = _resolve_config(preset, config_file, overrides)
+    cfg = _resolve_config(preset, config_file, overrides, for_training=True)
     from cod_fast.trainer import Trainer
 
     console = Console()

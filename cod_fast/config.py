@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -27,14 +29,28 @@ Aggregation = Literal[
 ]
 EnvName = Literal["frozenlake", "alchemy", "terminal", "optimal_control", "pde", "grid_nav"]
 
+SHOWN_CHARS = 200
+"""The most characters of a value (or key) an error message echoes: a message stays one short
+line even when the value is a megabyte string or a huge mapping."""
+
+
+def clipped(text: str) -> str:
+    """`text` cut to SHOWN_CHARS, marked where it was cut."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} chars)"
+
+
+def shown(value: Any) -> str:
+    """How an error message echoes a value: its repr, clipped."""
+    return clipped(repr(value))
+
 
 class ConfigError(ValueError):
     """A config key, value or file that cannot be used; the message says where and why."""
 
     def __init__(self, key: str, problem: str):
-        self.key = key
+        self.key = clipped(key)  # keys come from files and --set too, so they can be anything
         self.problem = problem
-        super().__init__(f"{key}: {problem}")
+        super().__init__(f"{self.key}: {problem}")
 
     def under(self, path: str) -> ConfigError:
         """The same error with ``path`` prepended to its key (``loss.x`` -> ``algo.loss.x``)."""
@@ -45,8 +61,10 @@ class _Config:
     """Base of every config dataclass: checks each field against its type hint.
 
     Literal fields must hold one of their values, ``X | None`` fields may be None, bool is not an
-    int, an int is accepted (and stored as float) for a float field, and a nested config must be
-    an instance of its class. Subclasses extend ``__post_init__`` with their range checks.
+    int, an int is accepted (and stored as float) for a float field, a float field must be finite
+    (no field gives inf or nan a meaning: where a limit can be lifted, null does it), and a nested
+    config must be an instance of its class. Subclasses extend ``__post_init__`` with their range
+    checks.
     """
 
     def __post_init__(self) -> None:
@@ -54,13 +72,18 @@ class _Config:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value, hint = getattr(self, f.name), hints[f.name]
             if not _fits(value, hint):
-                raise ConfigError(f.name, f"got {value!r}; expected {_describe(hint)}")
-            if type(value) is int and float in (hint, *typing.get_args(hint)):
+                raise ConfigError(f.name, f"got {shown(value)}; expected {_describe(hint)}")
+            if type(value) in (int, float) and float in (hint, *typing.get_args(hint)):
+                if not _finite(value):
+                    # inf passes every `x >= low` range check (nan any negated one) and then
+                    # fails deep in a run: an inf timeout fails every environment call.
+                    null = " or null" if type(None) in typing.get_args(hint) else ""
+                    raise ConfigError(f.name, f"got {shown(value)}; expected a finite number{null}")
                 setattr(self, f.name, float(value))
 
     def _require(self, ok: bool, name: str, expected: str) -> None:
         if not ok:
-            raise ConfigError(name, f"got {getattr(self, name)!r}; expected {expected}")
+            raise ConfigError(name, f"got {shown(getattr(self, name))}; expected {expected}")
 
     def _at_least(self, low: float, *names: str) -> None:
         for name in names:
@@ -90,6 +113,12 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, hint)
+
+
+def _finite(number: float) -> bool:
+    if isinstance(number, int):  # float() of a huge int overflows instead of giving inf
+        return abs(number) <= sys.float_info.max
+    return math.isfinite(number)
 
 
 def _describe(hint: Any) -> str:
@@ -182,6 +211,8 @@ class ModelConfig(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        named = bool(self.name_or_path.strip())
+        self._require(named, "name_or_path", "a model folder, a hub id or 'builtin:tiny-qwen3'")
         self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
         self._at_least(128, "vocab_size")
         divisible = self.hidden_size % self.num_heads == 0
@@ -365,6 +396,9 @@ class RuntimeConfig(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # An empty run_dir is the current folder: checkpoints and logs would land among the
+        # user's files, and a later run there would find them as "a previous run".
+        self._require(bool(self.run_dir.strip()), "run_dir", "a folder path, e.g. runs/my-run")
         self._at_least(0, "checkpoint_every", "keep_checkpoints", "eval_every")
         self._at_least(1, "log_every", "hsdp_replicate")
 
@@ -395,12 +429,31 @@ class Config(_Config):
                 f"got {norm} with rollout.max_response_tokens={cap}; expected the same number: "
                 "both are the longest response of the run; set both",
             )
+        if self.runtime.device == "cpu":
+            refuse_cpu_dtype(self.model.dtype, "runtime.device='cpu'")
         if self.algo.algorithm == "task_by_task" and self.rollout.strategy != "cod":
             raise ConfigError(
                 "rollout.strategy",
                 f"got {self.rollout.strategy!r} with algo.algorithm='task_by_task'; expected "
                 "'cod' (Ralph strategies need update episodes, which task_by_task has not)",
             )
+
+
+def refuse_cpu_dtype(dtype: str, device: str) -> None:
+    """Refuse a model dtype that cannot train on the CPU; `device` says how the run got there.
+
+    Measured on the tiny model: float16 weights are NaN after the first AdamW step (its eps and
+    the small squared gradients underflow to 0 in float16, so updates divide 0 by 0); bfloat16
+    has float32's exponent range and trains (slowly). Nothing in that arithmetic is particular
+    to the CPU, but only the CPU was measured. The preflight (cod_fast.preflight) calls this
+    again for `runtime.device=auto`, once it knows where that lands.
+    """
+    if dtype == "float16":
+        raise ConfigError(
+            "model.dtype",
+            f"got 'float16' with {device}; expected 'float32' (or 'auto', which is float32 "
+            "there) on the CPU: float16 weights turn NaN at the first AdamW step there",
+        )
 
 
 def _tiny_cpu() -> Config:
@@ -502,8 +555,26 @@ def from_dict(cls: type[_Config], data: Mapping[str, Any], path: str = "") -> An
         raise e.under(path) from None
 
 
+class _RefusedYaml(yaml.MarkedYAMLError):
+    """Well-formed YAML that config files may not use."""
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 insists on ``1.0e-5``)."""
+    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 insists on ``1.0e-5``) and
+    refuses anchors and aliases: a config never needs them, and nested aliases (the "billion
+    laughs") expand a few hundred bytes into millions of nodes, which validation would then
+    echo. The refusal comes at the first anchor, before anything is expanded."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            name = clipped(event.anchor)
+            raise _RefusedYaml(
+                problem=f"anchors and aliases (&{name}, *{name}) are not allowed in configs; "
+                "write the values out",
+                problem_mark=event.start_mark,
+            )
+        return super().compose_node(parent, index)
 
 
 class _YamlDumper(yaml.SafeDumper):
@@ -518,11 +589,17 @@ _YamlDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, li
 def _parse_yaml(text: str, where: str) -> Any:
     try:
         return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+    except yaml.reader.ReaderError as e:  # NUL and other control characters: binary, not text
+        what = f"unprintable character #x{e.character:04x} at offset {e.position}"
+        raise ConfigError(where, f"not YAML text: {what}") from None
+    except RecursionError:  # the composer recurses once per level of nesting
+        raise ConfigError(where, "malformed YAML: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or " ".join(str(e).split())
-        raise ConfigError(where, f"malformed YAML: {problem}{at}") from None
+        problem = clipped(getattr(e, "problem", None) or " ".join(str(e).split()))
+        kind = "" if isinstance(e, _RefusedYaml) else "malformed YAML: "
+        raise ConfigError(where, f"{kind}{problem}{at}") from None
 
 
 def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -577,6 +654,9 @@ def _read_yaml_file(path: str) -> dict[str, Any]:
             text = f.read()
     except OSError as e:
         raise ConfigError(path, f"cannot read config file: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        byte = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise ConfigError(path, f"not a UTF-8 text file: {byte} does not decode") from None
     data = _parse_yaml(text, path)
     if data is None:
         return {}
@@ -596,7 +676,9 @@ def load_config(
     file_preset = file_data.pop("preset", None)
     name = preset if preset is not None else file_preset or DEFAULT_PRESET
     if not isinstance(name, str) or name not in PRESETS:
-        raise ConfigError("preset", f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        raise ConfigError(
+            "preset", f"unknown preset {shown(name)}; choose one of {', '.join(PRESETS)}"
+        )
     cfg = PRESETS[name]()
     if file_data:
         try:

@@ -56,19 +56,20 @@ class DistContext:
         return self.world_size > 1
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """The device `runtime.device` names on this machine (auto: CUDA when there is one)."""
     if device not in DEVICES:
         raise ValueError(f"runtime.device must be one of {DEVICES}, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            "runtime.device is 'cuda' but no CUDA device is available; "
-            "set runtime.device to 'cpu' or 'auto'"
+            "runtime.device='cuda' but no CUDA device is available; set runtime.device to "
+            "'cpu' or 'auto'"
         )
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     return torch.device("cuda" if use_cuda else "cpu")
 
 
-def _mesh_layout(world_size: int, hsdp_replicate: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_layout(world_size: int, hsdp_replicate: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, dim names) of the FSDP mesh: plain FSDP, or HSDP's replicas of shard groups."""
     if hsdp_replicate < 1 or world_size % hsdp_replicate:
         raise ValueError(
@@ -83,11 +84,11 @@ def _mesh_layout(world_size: int, hsdp_replicate: int) -> tuple[tuple[int, ...],
 def init_distributed(device: str = "auto", hsdp_replicate: int = 1) -> DistContext:
     """This process's place in the run: under torchrun join the process group and build the
     mesh; otherwise one process, no process group."""
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return DistContext(rank=0, world_size=1, local_rank=0, device=dev, mesh=None)
-    shape, names = _mesh_layout(world_size, hsdp_replicate)
+    shape, names = mesh_layout(world_size, hsdp_replicate)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
         # Before the process group: NCCL binds each rank to the current device.

@@ -4,13 +4,14 @@ In-domain is the eval setting of the training environment; cross-domain the othe
 environments; the Ralph loop the `ralph_sample` and `ralph_full` pack strategies. Eval pack seeds
 are stable (`pack_seeds("eval", n)`), so every checkpoint sees the same packs.
 
-A run evaluates with `run_eval_plan` and `run_eval_sampling` of its config, and so does
-`cod-fast eval` of a model exported from it: the same packs, settings and sampling noise, so the
-two agree.
+A run evaluates with `run_eval_plan`, `run_eval_settings` and `run_eval_sampling` of its config,
+and so does `cod-fast eval` of a model exported from it: the same packs, settings and sampling
+noise, so the two agree. Evaluation always plays the CoD protocol (see `run_eval_settings`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,14 @@ def run_eval_sampling(cfg: Config) -> dict[str, float | int]:
     }
 
 
+def run_eval_settings(cfg: Config) -> DriverSettings:
+    """A run's evaluation rollouts: its driver settings with the CoD protocol (update episodes,
+    hints carried from task to task), whatever the run trained with. A task-by-task arm then
+    measures what its policy does when it may write hints, as the CoD arm is measured; in its
+    own mode every task starts from null hints and the curve is flat by construction."""
+    return dataclasses.replace(DriverSettings.from_config(cfg), mode="cod")
+
+
 def eval_defaults(cfg: Config | None) -> dict:
     """What `cod-fast eval` uses where no flag says otherwise: for a model exported from a run
     (`cfg`, its resolved config) the run's own evaluation; for any other model fixed defaults."""
@@ -84,7 +93,7 @@ def eval_defaults(cfg: Config | None) -> dict:
         "tasks": plan.tasks,
         "max_response_tokens": cfg.rollout.max_response_tokens,
         **run_eval_sampling(cfg),
-        "settings": DriverSettings.from_config(cfg),
+        "settings": run_eval_settings(cfg),
     }
 
 

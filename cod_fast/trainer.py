@@ -58,7 +58,7 @@ from cod_fast.distributed import (
 )
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
-from cod_fast.evaluate import evaluate, run_eval_plan, run_eval_sampling
+from cod_fast.evaluate import evaluate, run_eval_plan, run_eval_sampling, run_eval_settings
 from cod_fast.metrics import summarize_rollouts
 from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
@@ -394,7 +394,7 @@ class Trainer:
         if self.ctx.is_main:
             plan = run_eval_plan(cfg)
             stream = self.samplers.eval.state_dict()
-            report = evaluate(self.samplers.eval, self.chat, plan, self.settings)
+            report = evaluate(self.samplers.eval, self.chat, plan, run_eval_settings(cfg))
             self.samplers.eval.load_state_dict(stream)
             self.log.evaluation(label, self.step, report["summaries"][cfg.rollout.env]["cod"])
         barrier(self.ctx)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
+import typing
 
 import pytest
 import yaml
@@ -16,6 +19,10 @@ from cod_fast.config import (
     Config,
     ConfigError,
     LossConfig,
+    ModelConfig,
+    RolloutConfig,
+    RuntimeConfig,
+    TrainConfig,
     apply_overrides,
     dump_yaml,
     from_dict,
@@ -80,6 +87,11 @@ def test_task_by_task_preset_differs_from_tiny_cpu_only_in_the_algorithm():
         (["rollout.vllm_gpu_memory_utilization=1"], ["vllm_gpu_memory_utilization", "(0, 1)"]),
         (["model.num_heads=5"], ["model.hidden_size", "num_heads=5"]),
         (["train.lr=0"], ["train.lr", "> 0"]),
+        # Finite numbers only: inf and nan fail deep in a run.
+        (["train.lr=.inf"], ["train.lr", "inf", "a finite number"]),
+        (["rollout.env_timeout_s=.inf"], ["rollout.env_timeout_s", "inf", "finite", "or null"]),
+        (["rollout.env_error_reward=.nan"], ["rollout.env_error_reward", "nan", "finite"]),
+        (["train.lr=1" + "0" * 400], ["train.lr", "a finite number", "(401 chars)"]),
         # Types: bool is not an int or a float; a string is not a number.
         (["train.steps=true"], ["train.steps", "True", "an integer"]),
         (["train.lr=false"], ["train.lr", "False", "a number"]),
@@ -294,3 +306,110 @@ def test_response_caps_of_rollout_and_loss_must_agree():
     both = ["rollout.max_response_tokens=64", "algo.loss.max_response_len=64"]
     assert load_config(overrides=both).algo.loss.max_response_len == 64
     assert Config().algo.loss.max_response_len == Config().rollout.max_response_tokens
+
+
+def _float_fields() -> list[tuple[type, str]]:
+    sections = (LossConfig, ModelConfig, RolloutConfig, AlgoConfig, TrainConfig, RuntimeConfig)
+    return [
+        (cls, f.name)
+        for cls in sections
+        for f in dataclasses.fields(cls)
+        if float in (hint := typing.get_type_hints(cls)[f.name], *typing.get_args(hint))
+    ]
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize(("cls", "name"), _float_fields())
+def test_every_float_field_must_be_finite(cls, name, value):
+    """No float field gives inf or nan a meaning (null lifts a limit where one can be lifted), so
+    each refuses them by the base check, naming the field and the value, before its own range
+    checks could let inf through or call nan out of range."""
+    with pytest.raises(ConfigError) as info:
+        cls(**{name: value})
+    assert str(info.value).startswith(f"{name}: got {value!r}; expected a finite number")
+
+
+@pytest.mark.parametrize("run_dir", ["''", "'   '"])
+def test_run_dir_must_name_a_folder(run_dir):
+    """An empty (or blank) runtime.run_dir would write the run into the current folder."""
+    message = _error([f"runtime.run_dir={run_dir}"])
+    assert message.startswith("runtime.run_dir: got") and "a folder path" in message
+
+
+def test_model_name_or_path_must_not_be_empty():
+    """An empty model name is neither a folder, a hub id nor the built-in model."""
+    assert _error(["model.name_or_path=''"]).startswith("model.name_or_path: got ''")
+
+
+def test_float16_on_the_cpu_is_refused_naming_the_fix():
+    """float16 weights turn NaN at the first AdamW step on the CPU (tests/test_preflight.py
+    measures it), so runtime.device=cpu refuses float16 and names float32; bfloat16 and float32
+    pass, and so does float16 where the device is not the CPU (auto: see the preflight)."""
+    message = _error(["model.dtype=float16"])  # the default preset runs on the CPU
+    assert message.startswith("model.dtype: got 'float16' with runtime.device='cpu'")
+    assert "'float32'" in message and "\n" not in message
+    for dtype in ("bfloat16", "float32", "auto"):
+        assert load_config(overrides=[f"model.dtype={dtype}"]).model.dtype == dtype
+    for device in ("cuda", "auto"):
+        cfg = load_config(overrides=["model.dtype=float16", f"runtime.device={device}"])
+        assert cfg.model.dtype == "float16"
+
+
+def billion_laughs(levels: int) -> str:
+    """The classic alias bomb as the value of train.lr: 9**levels strings from a few hundred
+    bytes (9 levels: 387M strings; validation once echoed the expanded value)."""
+    lists = ["    - &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lists += [f"    - &l{k} [{', '.join([f'*l{k - 1}'] * 9)}]" for k in range(1, levels)]
+    return "train:\n  lr:\n" + "\n".join(lists) + "\n"
+
+
+def test_yaml_anchors_and_aliases_are_refused_before_they_expand(tmp_path):
+    """A config file with anchors and aliases is refused at its first anchor, in one short line
+    naming the file and the place: nothing is expanded, and nothing huge is echoed (6 levels is
+    a 4 MB message when the value is expanded and echoed). Overrides are parsed the same way."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(billion_laughs(6))
+    with pytest.raises(ConfigError) as info:
+        load_config(path=str(path))
+    message = str(info.value)
+    assert len(message) < 500 and "\n" not in message
+    assert message.startswith(f"{path}: anchors and aliases") and "line 3, column 7" in message
+    assert "aliases" in _error(["train.lr=&rate 0.1"])
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (random.Random(0).randbytes(256) + b"\x00", "not a UTF-8 text file: byte 0x"),
+        (b"train:\n  steps: 3\x00\x01\n", "not YAML text: unprintable character #x0000"),
+    ],
+)
+def test_binary_config_file_is_one_line_naming_the_file(tmp_path, data, problem):
+    """Random bytes (undecodable, with a NUL) or text with a NUL in it are not a config file:
+    one line naming the file and what is wrong, never a UnicodeDecodeError traceback."""
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(data)
+    with pytest.raises(ConfigError) as info:
+        load_config(path=str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: {problem}") and "\n" not in message
+
+
+def test_deeply_nested_yaml_is_a_config_error(tmp_path):
+    """Nesting deeper than the parser's recursion is a malformed file, not a RecursionError."""
+    path = tmp_path / "deep.yaml"
+    path.write_text("train: " + "[" * 1000)
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(path=str(path))
+
+
+def test_echoed_values_and_keys_are_clipped():
+    """A huge value or key is echoed in at most SHOWN_CHARS characters, so the message stays one
+    short line whatever the input."""
+    huge = "x" * 100_000
+    for overrides in ([f"algo.loss.policy={huge}"], [f"{huge}=1"], [f"algo.loss.{huge}=1"]):
+        message = _error(overrides)
+        assert len(message) < 500 and " chars)" in message, message[:600]
+    with pytest.raises(ConfigError) as info:
+        load_config(preset=huge)
+    assert len(str(info.value)) < 500

@@ -263,12 +263,23 @@ def test_recomputed_old_logprobs_match_the_sampler(tmp_path):
     assert record["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_task_by_task_rolls_out_no_update_episodes(tmp_path):
-    """The tiny-cpu-tbt preset: no update episodes (no hint metric), GRPO-style loss."""
+def test_task_by_task_rolls_out_no_update_episodes(tmp_path, monkeypatch):
+    """The tiny-cpu-tbt preset: no update episodes (no hint metric), GRPO-style loss; its
+    evaluations still play the CoD protocol (update episodes), like the CoD arm's."""
     cfg = load_config(
         "tiny-cpu-tbt", overrides=[*FAST, f"runtime.run_dir={tmp_path / 'run'}", "train.steps=1"]
     )
-    Trainer(cfg).run()
+    modes = []
+    evaluate = trainer_module.evaluate
+
+    def record_mode(sampler, chat, plan, settings, *args):
+        modes.append(settings.mode)
+        return evaluate(sampler, chat, plan, settings, *args)
+
+    monkeypatch.setattr(trainer_module, "evaluate", record_mode)
+    trainer = Trainer(cfg)
+    trainer.run()
+    assert trainer.settings.mode == "task_by_task" and modes == ["cod"] * 3
     record = metrics(tmp_path / "run")[-1]
     assert record["phase"] == "rl" and "hint_valid_frac" not in record
 

@@ -1,0 +1,157 @@
+"""Checks of a run's config against the machine it starts on, before any compute.
+
+`cod_fast.config` judges what a config says on its own. Some values can only be judged where the
+run starts: `runtime.hsdp_replicate` against the world size torchrun gives, a model path against
+the files there, the device `runtime.device=auto` lands on against the model dtype, and
+`train.token_budget` against a prompt's length in the run's tokenizer. The `train` command calls
+`preflight` before it builds the Trainer, so such a value is one line naming the field, the
+value and the fix, not a traceback (or a stopped run) after minutes of compute.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
+from cod_fast.distributed import mesh_layout, resolve_device
+from cod_fast.envs import make_env
+from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.model import BUILTIN_TINY
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.driver import DriverSettings
+from cod_fast.rollout.hints import context_line
+from cod_fast.rollout.prompts import PROMPT_STYLES
+from cod_fast.warmstart import run_tokenizer
+
+
+def preflight(cfg: Config) -> None:
+    """Raise ConfigError (one line) for a config that would fail on this machine once compute
+    started. The token-budget check needs the run's tokenizer: a `bpe` one is trained and saved
+    in runtime.run_dir, as the run would, and the run then finds it there."""
+    world_size = _environment_int("WORLD_SIZE", 1)
+    _check_mesh(cfg.runtime.hsdp_replicate, world_size)
+    _check_model_path(cfg.model.name_or_path)
+    _check_device_dtype(cfg)
+    # Only the main process writes the tokenizer (run_tokenizer); the others would train their
+    # own copy here for nothing, and the main process's refusal ends the run for all of them.
+    if world_size == 1 or _environment_int("RANK", 0) == 0:
+        _check_token_budget(cfg)
+
+
+def _environment_int(name: str, default: int) -> int:
+    """An integer that torchrun sets, read as cod_fast.distributed reads it."""
+    text = os.environ.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            name, f"got {shown(text)}; expected an integer (torchrun sets it)"
+        ) from None
+
+
+def _check_mesh(replicate: int, world_size: int) -> None:
+    try:
+        mesh_layout(world_size, replicate)  # the layouts init_distributed can build
+    except ValueError:
+        started = "WORLD_SIZE" if "WORLD_SIZE" in os.environ else "one process, no torchrun"
+        raise ConfigError(
+            "runtime.hsdp_replicate",
+            f"got {replicate}, which does not divide the world size {world_size} ({started}); "
+            f"set it to a divisor of {world_size} (1: plain FSDP), or start a multiple of "
+            f"{replicate} processes with torchrun",
+        ) from None
+
+
+def _check_model_path(name: str) -> None:
+    """Refuse a model that is meant as a local folder (an absolute or ./ path, a path with more
+    parts than a hub id's owner/name, or anything that exists here) and is not a model folder.
+    A hub id is left alone: whether it exists is only known online."""
+    key, expected = "model.name_or_path", "a model folder with a config.json, a hub id (owner/name)"
+    if name == BUILTIN_TINY:
+        return
+    if name.startswith("builtin:"):
+        raise ConfigError(key, f"got {shown(name)}; the built-in model is {BUILTIN_TINY!r}")
+    if name.startswith("~"):
+        raise ConfigError(
+            key, f"got {shown(name)}; transformers does not expand ~: write the path out in full"
+        )
+    path = Path(name)
+    local = path.is_absolute() or name.startswith(".") or len(name.split("/")) > 2
+    if not (local or path.exists()):
+        return
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such folder"
+        raise ConfigError(key, f"got {shown(name)} ({what}); expected {expected} or {BUILTIN_TINY}")
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            key, f"got {shown(name)}, a folder without config.json; expected {expected}"
+        )
+
+
+def _check_device_dtype(cfg: Config) -> None:
+    device = cfg.runtime.device
+    try:
+        resolved = resolve_device(device)
+    except ValueError as e:  # cuda asked for, none here
+        raise ConfigError("runtime.device", str(e).removeprefix("runtime.device=")) from None
+    if resolved.type == "cpu" and device == "auto":  # device=cpu is refused by the config itself
+        refuse_cpu_dtype(cfg.model.dtype, "runtime.device='auto', the CPU here (no CUDA device)")
+
+
+def _check_token_budget(cfg: Config) -> None:
+    floor = _sequence_floor(cfg)
+    if floor is None:
+        return
+    tokens, parts = floor
+    budget = cfg.train.token_budget
+    if budget < tokens:
+        cap = "rollout.max_response_tokens (and algo.loss.max_response_len with it)"
+        lower = f", or lower {cap}" if cfg.train.steps > 0 else ""
+        raise ConfigError(
+            "train.token_budget",
+            f"got {budget}, less than one sequence of this run ({parts} = {tokens} tokens); "
+            f"set train.token_budget >= {tokens}{lower}",
+        )
+
+
+def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
+    """A lower bound on the longest sequence the run packs, and what it adds up; None when the
+    run trains on nothing.
+
+    The sequence is the first solve episode of the first pack the run trains on: its prompt,
+    built as the rollout driver builds it, then a response. RL may sample a response as long as
+    rollout.max_response_tokens, and a budget that fits it only while the model stops early is
+    luck; warm-start demonstrations are scripted and may be shorter, so alone they count one
+    token. A Hugging Face model's prompt counts one token: its tokenizer is not loaded here
+    (the bound then only catches a budget below the response cap).
+    """
+    train, rollout = cfg.train, cfg.rollout
+    if train.steps > 0:
+        split, strategy, phase = "train", rollout.strategy, "RL"
+        response = rollout.max_response_tokens
+        response_parts = f"rollout.max_response_tokens={response}"
+    elif train.warm_start_steps > 0:
+        split, strategy, phase = "warm", "cod", "warm-start"  # as Trainer._demonstrations
+        response, response_parts = 1, "one response token"
+    else:
+        return None
+    if cfg.model.name_or_path != BUILTIN_TINY:
+        return 1 + response, f"a prompt of at least 1 token + {response_parts}"
+    env = make_env(rollout.env, rollout.env_setting, rollout.env_size)
+    try:
+        tokenizer = run_tokenizer(cfg, env, DriverSettings.from_config(cfg), is_main=True)
+    except (OSError, ValueError) as e:  # an unwritable run folder, a damaged saved tokenizer
+        folder = Path(cfg.runtime.run_dir) / "tokenizer"
+        raise ConfigError(
+            "runtime.run_dir",
+            f"cannot load or save the run's tokenizer {folder} ({clipped(' '.join(str(e).split()))}"
+            "); repair or remove that folder, or set runtime.run_dir to a new one",
+        ) from None
+    pack = make_packs(pack_seeds(split, 1, train.seed), rollout.tasks_per_pack, strategy)[0]
+    task = env.task(pack.pack_seed, pack.task_indices[0])
+    system = PROMPT_STYLES[rollout.prompt_style].solve_system(
+        task.prompt(), context_line(None, first_task=True)
+    )
+    prompt = len(ChatFormat(tokenizer).first_prompt(system, task.reset()))
+    return prompt + response, f"the first {phase} prompt's {prompt} tokens + {response_parts}"
