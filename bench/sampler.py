@@ -44,7 +44,6 @@ line on stdout one JSON object with everything.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import importlib.metadata
 import importlib.util
@@ -57,15 +56,13 @@ import time
 from pathlib import Path
 
 from cod_fast.bench.kernels import (
-    _git_commit,
-    _machine,
     _percentile,
     _rss_mib,
     _rss_peak_mib,
     emit_summary,
     run_json_worker,
 )
-from cod_fast.bench.train import OthersCPU, _append_csv, _print_table
+from cod_fast.bench.train import OthersCPU, _append_csv, _print_table, run_meta
 from cod_fast.rollout.sampler import Sample
 
 PRESET = "tiny-cpu"
@@ -480,7 +477,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps(_worker(json.loads(args.worker))))
         return None
 
-    import torch
     from rich.console import Console
 
     from cod_fast.config import load_config
@@ -489,10 +485,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.packs = args.packs or cfg.rollout.packs_per_step
     args.group = args.group or cfg.rollout.group_size
     progress = Console(stderr=True)
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {"timestamp": now, "commit": _git_commit(), "machine": _machine()}
-    meta |= {"torch": torch.__version__, "transformers": importlib.metadata.version("transformers")}
-    meta["vllm"] = _vllm_version()
+    meta = run_meta() | {"vllm": _vllm_version()}
     names = ("sizes", "contenders", "reps", "warmup", "packs", "group", "model")
     settings = {k: getattr(args, k) for k in names} | {"preset": PRESET}
     settings |= {"temperature": cfg.algo.loss.temperature, "top_p": cfg.rollout.top_p}

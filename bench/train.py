@@ -532,6 +532,20 @@ def run_merge(packs: int) -> list[dict]:
 # Output and the command line.
 
 
+def run_meta() -> dict[str, str]:
+    """The META columns of a benchmark run: when, which commit, which machine and versions."""
+    import torch
+
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {
+        "timestamp": now,
+        "commit": _git_commit(),
+        "machine": _machine(),
+        "torch": torch.__version__,
+        "transformers": importlib.metadata.version("transformers"),
+    }
+
+
 def _append_csv(path: Path, table, rows: list[dict], meta: dict) -> None:
     """Append `rows`; a file written before a column was added is rewritten with it (blank)."""
     columns, old, header = [*META, *(c for c, _, _ in table)], [], None
@@ -633,9 +647,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     elif args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     progress = Console(stderr=True)
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {"timestamp": now, "commit": _git_commit(), "machine": _machine()}
-    meta |= {"torch": torch.__version__, "transformers": importlib.metadata.version("transformers")}
+    meta = run_meta()
     shape = replace(
         TINY if args.tiny else StepShape(), **({"tokens": args.tokens} if args.tokens else {})
     )

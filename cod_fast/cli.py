@@ -150,12 +150,22 @@ def train(
             "--resume", help="Continue the run in runtime.run_dir from its latest checkpoint."
         ),
     ] = False,
+    init_from: Annotated[
+        Path | None,
+        typer.Option(
+            "--init-from",
+            help="Start from these weights: a run directory (its latest checkpoint) or an "
+            "exported model folder; same as --set train.init_from=PATH.",
+        ),
+    ] = None,
 ) -> None:
     """Train a policy: warm start (if configured), then CoD (or task-by-task) RL.
 
-    Without arguments: the tiny-cpu preset, a tiny model on the CPU. Ctrl-C finishes the step,
-    saves a checkpoint and exits; `--resume` continues from it.
+    Without arguments: the tiny-cpu preset, a tiny model on the CPU. Ctrl-C or SIGTERM finishes
+    the step, saves a checkpoint and exits (code 128 + signal); `--resume` continues from it.
     """
+    if init_from is not None:
+        overrides = [*(overrides or []), f"train.init_from={init_from}"]
     cfg = _resolve_config(preset, config_file, overrides, for_training=True)
     from cod_fast.trainer import Trainer
 
@@ -344,6 +354,23 @@ def bench_sampler(
     sampler.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])
 
 
+@bench_app.command("rl-effect")
+def bench_rl_effect(
+    warm_steps: Annotated[int | None, typer.Option(help="Warm-start steps [2000].")] = None,
+    rl_steps: Annotated[int | None, typer.Option(help="RL steps per arm [30].")] = None,
+    seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds [0,1,2].")] = None,
+    overrides: SetOption = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the runs and results.")] = None,
+) -> None:
+    """CoD RL vs task-by-task RL from one shared warm-start checkpoint, over seeds, both
+    evaluated with the CoD protocol (cod_fast.bench.rl_effect)."""
+    from cod_fast.bench import rl_effect
+
+    options = {"warm-steps": warm_steps, "rl-steps": rl_steps, "seeds": seeds, "out": out}
+    argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
+    rl_effect.main([*argv, *(a for o in overrides or () for a in ("--set", o))])
+
+
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]
 
 
@@ -452,41 +479,33 @@ def envs_play(
             hints = typer.prompt("your hints for the next task (empty: none)", default="") or None
 
 
-@app.command("eval")
-def eval_command(
-    model: Annotated[Path, typer.Option("--model", help="A Hugging Face model folder.")],
-    env: Annotated[
-        str | None, typer.Option(help="The training environment (in-domain) [frozenlake].")
-    ] = None,
-    cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
-    ralph: Annotated[bool, typer.Option(help="Also the Ralph-loop pack strategies.")] = False,
-    packs: Annotated[
-        int | None, typer.Option(help="Eval packs per environment and strategy [32].")
-    ] = None,
-    tasks: Annotated[int | None, typer.Option(help="Tasks per pack (K) [4].")] = None,
-    size: Annotated[str | None, typer.Option(help="full (SPEC sizes) or tiny [full].")] = None,
-    setting: Annotated[str | None, typer.Option(help="train or eval (harder) [eval].")] = None,
-    max_response_tokens: Annotated[int | None, typer.Option(help="Cap per response [512].")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature [1].")] = None,
-    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling threshold [1].")] = None,
-    seed: Annotated[int | None, typer.Option(help="Sampling seed [0].")] = None,
-    out: Annotated[Path, typer.Option(help="Folder for eval.json and eval.png.")] = Path(
-        "runs/eval"
-    ),
-) -> None:
-    """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG).
+ModelOption = Annotated[
+    Path, typer.Option("--model", help="A Hugging Face model folder (e.g. from cod-fast export).")
+]
+EnvOption = Annotated[
+    str | None, typer.Option(help="The training environment (in-domain) [frozenlake].")
+]
+PacksOption = Annotated[int | None, typer.Option(help="Packs per environment and strategy [32].")]
+TasksOption = Annotated[int | None, typer.Option(help="Tasks per pack (K) [4].")]
+SizeOption = Annotated[str | None, typer.Option(help="full (SPEC sizes) or tiny [full].")]
+EvalSettingOption = Annotated[str | None, typer.Option(help="train or eval (harder) [eval].")]
+MaxTokensOption = Annotated[int | None, typer.Option(help="Cap per response [512].")]
+TemperatureOption = Annotated[float | None, typer.Option(help="Sampling temperature [1].")]
+TopPOption = Annotated[float | None, typer.Option(help="Nucleus sampling threshold [1].")]
+SeedOption = Annotated[int | None, typer.Option(help="Sampling seed [0].")]
 
-    A model written by `cod-fast export` is evaluated as its run evaluated it (environment,
-    size, eval setting and packs, prompt style, token caps, temperature, seed): with no flag but
-    --model the result is the run's last eval row. A flag overrides one of those, and says so.
-    Other models get the defaults in brackets."""
+
+def _model_play(model: Path, flags: dict) -> tuple[dict, object, object]:
+    """(options, sampler, chat format) for playing `model`: a model written by `cod-fast export`
+    plays as its run evaluated (environment, size, eval setting and packs, prompt style, token
+    caps, temperature, seed), other models with the defaults in brackets; a flag that is given
+    overrides one of those, and says so."""
     import dataclasses
 
     import torch
 
     from cod_fast.config import ModelConfig
-    from cod_fast.envs import ENVIRONMENTS
-    from cod_fast.evaluate import EvalPlan, eval_defaults, evaluate
+    from cod_fast.evaluate import eval_defaults
     from cod_fast.export import read_run_config
     from cod_fast.model import load_policy
     from cod_fast.rollout.chat import ChatFormat
@@ -498,6 +517,49 @@ def eval_command(
         Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
     base = eval_defaults(run)
+    given = {k: v for k, v in flags.items() if v is not None}
+    if run is not None:
+        for key, value in given.items():
+            if value != base[key]:
+                typer.echo(f"overriding the run's {key}={base[key]!r} with {value!r}", err=True)
+    o = base | given
+    _make_env(o["env"], o["setting"], o["size"])  # a clear error for a bad name before the model
+    o["settings"] = dataclasses.replace(o["settings"], max_response_tokens=o["max_response_tokens"])
+    model_cfg = ModelConfig() if run is None else run.model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, name_or_path=str(model)), device)
+    sampler = TorchSampler(
+        policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
+    )
+    return o, sampler, ChatFormat(tokenizer)
+
+
+@app.command("eval")
+def eval_command(
+    model: ModelOption,
+    env: EnvOption = None,
+    cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
+    ralph: Annotated[bool, typer.Option(help="Also the Ralph-loop pack strategies.")] = False,
+    packs: PacksOption = None,
+    tasks: TasksOption = None,
+    size: SizeOption = None,
+    setting: EvalSettingOption = None,
+    max_response_tokens: MaxTokensOption = None,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
+    out: Annotated[Path, typer.Option(help="Folder for eval.json and eval.png.")] = Path(
+        "runs/eval"
+    ),
+) -> None:
+    """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG).
+
+    A model written by `cod-fast export` is evaluated as its run evaluated it: with no flag but
+    --model the result is the run's last eval row. Every run is evaluated with the CoD protocol
+    (update episodes, hints carried forward)."""
+    from cod_fast.envs import ENVIRONMENTS
+    from cod_fast.evaluate import EvalPlan, evaluate
+
     flags = {
         "env": env,
         "size": size,
@@ -509,19 +571,7 @@ def eval_command(
         "top_p": top_p,
         "seed": seed,
     }
-    given = {k: v for k, v in flags.items() if v is not None}
-    if run is not None:
-        for key, value in given.items():
-            if value != base[key]:
-                typer.echo(f"overriding the run's {key}={base[key]!r} with {value!r}")
-    o = base | given
-    _make_env(o["env"], o["setting"], o["size"])  # a clear error for a bad name before the model
-    model_cfg = ModelConfig() if run is None else run.model
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, name_or_path=str(model)), device)
-    sampler = TorchSampler(
-        policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
-    )
+    o, sampler, chat = _model_play(model, flags)
     envs = (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
     strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
     plan = EvalPlan(
@@ -532,8 +582,7 @@ def eval_command(
         packs=o["packs"],
         tasks=o["tasks"],
     )
-    settings = dataclasses.replace(o["settings"], max_response_tokens=o["max_response_tokens"])
-    report = evaluate(sampler, ChatFormat(tokenizer), plan, settings, out)
+    report = evaluate(sampler, chat, plan, o["settings"], out)
     rows = {
         f"{name} / {strategy}": summary
         for name, by_strategy in report["summaries"].items()
@@ -542,6 +591,55 @@ def eval_command(
     title = f"eval ({o['setting']}, {o['size']}): mean reward by pack position, {o['packs']} packs"
     _print_positions(title, "env / strategy", rows)
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")
+
+
+@app.command("rollout")
+def rollout_command(
+    model: ModelOption,
+    env: EnvOption = None,
+    packs: Annotated[int, typer.Option(help="Packs to play (the first eval packs).")] = 2,
+    tasks: TasksOption = None,
+    size: SizeOption = None,
+    setting: EvalSettingOption = None,
+    max_response_tokens: MaxTokensOption = None,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per pack on stdout, for tools.")
+    ] = False,
+) -> None:
+    """Print whole packs as a model plays them: each task's context, actions and observations,
+    the hint blocks it writes and reads on the next task, and the rewards (CoD protocol; the
+    same eval packs and settings as `cod-fast eval`)."""
+    import json
+
+    from cod_fast.envs import make_env
+    from cod_fast.envs.packs import make_packs, pack_seeds
+    from cod_fast.rollout.driver import RolloutDriver
+    from cod_fast.transcript import print_rollout, rollout_record
+
+    flags = {
+        "env": env,
+        "size": size,
+        "setting": setting,
+        "tasks": tasks,
+        "max_response_tokens": max_response_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+    }
+    o, sampler, chat = _model_play(model, flags)
+    environment = make_env(o["env"], o["setting"], o["size"])
+    played = make_packs(pack_seeds("eval", packs), o["tasks"])
+    rollouts = RolloutDriver(environment, sampler, chat, o["settings"]).run(played, group_size=1)
+    console = Console()
+    for rollout in rollouts:
+        record = rollout_record(rollout, chat.tokenizer)
+        if as_json:
+            typer.echo(json.dumps(record))
+        else:
+            print_rollout(record, console)
 
 
 if __name__ == "__main__":  # python -m cod_fast.cli (what torchrun -m runs)

@@ -362,9 +362,15 @@ class TrainConfig(_Config):
     which the run stops."""
     seed: int = 0
     """Seed of the model init, the samplers and the pack seeds."""
+    init_from: str | None = None
+    """Start from these weights instead of the model's own init: a run directory (its latest
+    checkpoint and tokenizer) or a model folder in safetensors. The optimizer, seeds and packs
+    are this run's own (cod_fast.init_from)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.init_from is not None:
+            self._require(bool(self.init_from.strip()), "init_from", "a folder path or null")
         self._at_least(0, "steps", "weight_decay", "warm_start_steps", "warm_start_warmup", "seed")
         self._above(0, "lr", "grad_clip", "warm_start_lr")
         self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")

@@ -76,8 +76,14 @@ def summarize_rollouts(rollouts: Sequence[Rollout]) -> PositionSummary:
     return summarize(rewards, successes)
 
 
-def plot_positions(curves: dict[str, PositionSummary], path: str | Path, title: str) -> Path:
-    """A PNG of mean reward against pack position, one line per curve."""
+def plot_positions(
+    curves: dict[str, PositionSummary],
+    path: str | Path,
+    title: str,
+    errors: str = "one standard error over packs",
+) -> Path:
+    """A PNG of mean reward against pack position, one line per curve; `errors` says what the
+    error bars (each curve's `std_error`) are."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on training machines
@@ -96,7 +102,7 @@ def plot_positions(curves: dict[str, PositionSummary], path: str | Path, title: 
         )
     positions = max((len(c.mean_reward) for c in curves.values()), default=0)
     ax.set_xticks(range(positions))  # positions are tasks: integers only
-    ax.set_xlabel("position in pack (error bars: one standard error over packs)")
+    ax.set_xlabel(f"position in pack (error bars: {errors})")
     ax.set_ylabel("mean reward")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -17,6 +17,7 @@ from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, show
 from cod_fast.distributed import mesh_layout, resolve_device
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.init_from import check_source
 from cod_fast.model import BUILTIN_TINY
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings
@@ -32,6 +33,8 @@ def preflight(cfg: Config) -> None:
     world_size = _environment_int("WORLD_SIZE", 1)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
     _check_model_path(cfg.model.name_or_path)
+    if cfg.train.init_from is not None and (problem := check_source(cfg.train.init_from)):
+        raise ConfigError("train.init_from", problem)
     _check_device_dtype(cfg)
     # Only the main process writes the tokenizer (run_tokenizer); the others would train their
     # own copy here for nothing, and the main process's refusal ends the run for all of them.

@@ -59,6 +59,7 @@ from cod_fast.distributed import (
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plan, run_eval_sampling, run_eval_settings
+from cod_fast.init_from import initial_weights
 from cod_fast.metrics import summarize_rollouts
 from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
@@ -435,6 +436,9 @@ class Trainer:
                     f"{self.run_dir} already holds a run's metrics.jsonl; pass --resume to "
                     "continue it, or set runtime.run_dir to a new folder"
                 )
+            if self.cfg.train.init_from is not None:
+                weights = initial_weights(self.cfg.train.init_from) if self.ctx.is_main else {}
+                load_model_state(self.policy, weights, self.ctx)
             self.log.truncate(-1)
         else:
             self._restore(ckpt)

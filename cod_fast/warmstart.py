@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from cod_fast.config import Config, LossConfig
 from cod_fast.envs.base import Agent, Environment
 from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
+from cod_fast.init_from import tokenizer_folder
 from cod_fast.model import BUILTIN_TINY
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
@@ -113,8 +114,9 @@ def run_tokenizer(
     cfg: Config, env: Environment, settings: DriverSettings, is_main: bool
 ) -> PreTrainedTokenizerBase | None:
     """The built-in model's tokenizer for a run (None for a Hugging Face model, which has its
-    own). A `bpe` vocabulary is trained once per run and kept in the run directory, where a
-    resumed run and `cod-fast export` find it; only the main process writes it."""
+    own). A `bpe` vocabulary is trained once per run (or taken from `train.init_from`) and kept
+    in the run directory, where a resumed run and `cod-fast export` find it; only the main
+    process writes it."""
     if cfg.model.name_or_path != BUILTIN_TINY:
         return None
     if cfg.model.tokenizer == "char":
@@ -122,7 +124,10 @@ def run_tokenizer(
     saved = Path(cfg.runtime.run_dir) / "tokenizer"
     if saved.exists():
         return load_saved_tokenizer(saved)
-    tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
+    if cfg.train.init_from is not None:  # the vocabulary the starting weights were trained with
+        tokenizer = load_saved_tokenizer(tokenizer_folder(cfg.train.init_from))
+    else:
+        tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
     if is_main:
         tokenizer.save_pretrained(saved)
     return tokenizer

@@ -92,3 +92,30 @@ def test_exported_run_evaluates_exactly_as_its_last_eval_row(tmp_path):
     other = runner.invoke(app, ["eval", "--model", str(hf), "--setting", "eval", "--out", str(out)])
     assert other.exit_code == 0, other.output
     assert "overriding the run's setting='train' with 'eval'" in other.output
+
+
+@pytest.mark.slow
+def test_rollout_command_shows_what_the_model_writes_and_reads(tiny_model_dir):
+    """`cod-fast rollout --json` prints one object per pack: solve and update episodes in the
+    order they ran, the task rewards of the solve episodes, and each later task's context holds
+    the hint line made of what the update episode before it parsed. Without --json the same
+    packs print as panels."""
+    from cod_fast.rollout.hints import context_line
+
+    args = ["rollout", "--model", str(tiny_model_dir), "--env", "frozenlake", "--size", "tiny"]
+    args += ["--packs", "2", "--tasks", "3", "--max-response-tokens", "8"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        episodes = record["episodes"]
+        assert [(e["kind"], e["task"]) for e in episodes] == [
+            ("solve", 0), ("update", 0), ("solve", 1), ("update", 1), ("solve", 2)
+        ]  # fmt: skip
+        assert record["task_rewards"] == [e["reward"] for e in episodes if e["kind"] == "solve"]
+        for update, solve in zip(episodes[1::2], episodes[2::2], strict=True):
+            line = context_line(update["info"]["hints"], first_task=False)
+            assert line in solve["turns"][0]["context"]
+    shown = CliRunner().invoke(app, args)
+    assert shown.exit_code == 0 and "hints carried forward" in shown.stdout

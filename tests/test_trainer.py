@@ -298,3 +298,40 @@ def test_export_writes_a_hugging_face_model(tmp_path):
         torch.testing.assert_close(exported(ids).logits, trainer.policy.model(ids).logits)
     missing = runner.invoke(app, ["export", str(tmp_path / "nothing"), "--out", str(tmp_path)])
     assert missing.exit_code == 2 and "config.yaml" in missing.stderr
+
+
+def test_init_from_starts_where_the_source_ended(tmp_path):
+    """`--init-from` a run directory or its exported folder: the new run starts from the source's
+    final weights (equal tensor for tensor, unlike the model's own init) and tokenizer, with a
+    fresh optimizer and its own step count, and trains on from there; a bad source is refused
+    before any compute."""
+    source = tmp_path / "warm"
+    warm = ["train.steps=0", "train.warm_start_steps=2", "runtime.checkpoint_every=0"]
+    args = ["train", "--preset", "tiny-cpu"]
+    for override in [*FAST, *warm]:
+        args += ["--set", override]
+    assert runner.invoke(app, [*args, "--set", f"runtime.run_dir={source}"]).exit_code == 0
+    exported = tmp_path / "hf"
+    assert runner.invoke(app, ["export", str(source), "--out", str(exported)]).exit_code == 0
+    want = read_model_state(latest_checkpoint(source))
+
+    for start in (source, exported):
+        run = tmp_path / f"from-{start.name}"
+        cfg = config(run, "train.warm_start_steps=0", "train.steps=1", f"train.init_from={start}")
+        trainer = Trainer(cfg)
+        fresh = parameters(trainer)
+        trainer._restore_or_start(resume=False)
+        got = parameters(trainer)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        assert any(not torch.equal(fresh[n], want[n]) for n in want)
+        assert trainer.step == 0 and not trainer.optimizer.state
+        assert (run / "tokenizer" / "tokenizer.json").read_text() == (
+            source / "tokenizer" / "tokenizer.json"
+        ).read_text()
+        trainer.run(resume=True)  # the run directory now has its config: go on as a resume
+        assert latest_checkpoint(run).step == 1
+
+    missing = runner.invoke(app, [*args, "--init-from", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "train.init_from" in missing.output

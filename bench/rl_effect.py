@@ -1,0 +1,179 @@
+"""What RL adds over the warm start: CoD RL and task-by-task RL from one shared checkpoint.
+
+    python -m cod_fast.bench.rl_effect [--warm-steps 2000] [--rl-steps 30] [--seeds 0,1,2]
+        [--set KEY=VALUE ...] [--out DIR]          # or: cod-fast bench rl-effect ...
+
+1. One warm start (`train.steps=0`): supervised steps on scripted demonstrations, the
+   checkpoint every arm starts from.
+2. For each seed, a CoD-RL arm and a task-by-task-RL arm, both `--init-from` that checkpoint
+   with the same compute (steps, packs, group), each with its own seed for sampling and packs.
+3. Every run is evaluated with the same CoD protocol (update episodes, hints carried forward)
+   on the same held-out packs before its first RL step and after its last, so an arm's change is
+   paired with its own "before" row (same eval sampling seed).
+
+Every run is its own `cod-fast train` process (`--set` overrides go to all of them; the preset
+is tiny-cpu). Output: a table of the last-minus-first gain (mean and standard deviation over
+seeds, before and after RL) and the per-position rewards, DIR/rl_effect.png (per-position reward
+after RL, mean over seeds, error bars one standard deviation over seeds, with the shared
+checkpoint's curve), DIR/rl_effect.json, a CSV row per arm in DIR/rl_effect.csv, and as the last
+stdout line one JSON object. The runs stay in DIR/runs/ (`cod-fast rollout --model` of an
+exported run shows what its hints say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from cod_fast.bench.kernels import emit_summary
+from cod_fast.bench.train import _append_csv, _print_table, run_meta
+
+ARMS = ("cod", "task_by_task")
+PRESET = "tiny-cpu"
+
+
+def _train(run_dir: Path, overrides: list[str], log: Path) -> None:
+    """One `cod-fast train` in its own process; its output goes to `log`."""
+    cmd = [sys.executable, "-m", "cod_fast.cli", "train", "--preset", PRESET]
+    for override in [*overrides, f"runtime.run_dir={run_dir}"]:
+        cmd += ["--set", override]
+    with log.open("w") as f:
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {log}")
+
+
+def _evals(run_dir: Path) -> dict[str, dict]:
+    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    return {row["label"]: row for row in rows}
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation; 0 for one value)."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run(args) -> dict:
+    out = Path(args.out)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    warm = runs / "warm"
+    if not (warm / "checkpoints" / "latest").exists():
+        _train(warm, [*args.set, "train.steps=0", f"train.warm_start_steps={args.warm_steps}"],
+               runs / "warm.log")  # fmt: skip
+    arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for seed in args.seeds:
+        for arm in ARMS:
+            run_dir = runs / f"{arm}-seed{seed}"
+            if not (run_dir / "eval.jsonl").exists() or "end" not in _evals(run_dir):
+                overrides = [
+                    *args.set,
+                    "train.warm_start_steps=0",
+                    f"train.steps={args.rl_steps}",
+                    f"train.seed={seed}",
+                    f"algo.algorithm={arm}",
+                    f"train.init_from={warm}",
+                ]
+                _train(run_dir, overrides, runs / f"{arm}-seed{seed}.log")
+            evals = _evals(run_dir)
+            arms[arm].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
+    return _summarize(arms, args)
+
+
+def _summarize(arms: dict[str, list[dict]], args) -> dict:
+    results = {}
+    for arm, seeds in arms.items():
+        before = [s["before"]["cod_gain"] for s in seeds]
+        after = [s["after"]["cod_gain"] for s in seeds]
+        positions = list(zip(*(s["after"]["mean_reward"] for s in seeds), strict=True))
+        results[arm] = {
+            "seeds": [s["seed"] for s in seeds],
+            "gain_before": _spread(before),
+            "gain_after": _spread(after),
+            "gain_change": _spread([a - b for a, b in zip(after, before, strict=True)]),
+            "after_by_position": [_spread(list(p)) for p in positions],
+            "before_by_position": [
+                _spread(list(p))
+                for p in zip(*(s["before"]["mean_reward"] for s in seeds), strict=True)
+            ],
+            "eval_packs": seeds[0]["after"]["num_packs"],
+        }
+    return results
+
+
+def _plot(results: dict, path: Path) -> None:
+    from cod_fast.metrics import PositionSummary, plot_positions
+
+    curves = {}
+    first = next(iter(results.values()))
+    curves["shared checkpoint (before RL)"] = PositionSummary(
+        mean_reward=[m for m, _ in first["before_by_position"]],
+        success_rate=None,
+        num_packs=first["eval_packs"],
+        std_error=[s for _, s in first["before_by_position"]],
+    )
+    for arm, r in results.items():
+        curves[f"after {arm} RL"] = PositionSummary(
+            mean_reward=[m for m, _ in r["after_by_position"]],
+            success_rate=None,
+            num_packs=r["eval_packs"],
+            std_error=[s for _, s in r["after_by_position"]],
+        )
+    plot_positions(
+        curves,
+        path,
+        "CoD-protocol eval, mean over seeds",
+        errors=f"one standard deviation over {len(first['seeds'])} seeds",
+    )
+
+
+TABLE = (
+    ("arm", "arm", ""),
+    ("seeds", "seeds", ""),
+    ("gain_before", "gain before RL", ""),
+    ("gain_after", "gain after RL", ""),
+    ("gain_change", "change", ""),
+    ("positions", "after RL, by position", ""),
+)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warm-steps", type=int, default=2000)
+    parser.add_argument("--rl-steps", type=int, default=30)
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+    parser.add_argument("--out", default="bench/results/rl_effect")
+    args = parser.parse_args(argv)
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    results = run(args)
+    out = Path(args.out)
+    _plot(results, out / "rl_effect.png")
+
+    def fmt(pair):
+        return f"{pair[0]:+.3f} +- {pair[1]:.3f}"
+
+    rows = [
+        {
+            "arm": arm,
+            "seeds": ",".join(map(str, r["seeds"])),
+            "gain_before": fmt(r["gain_before"]),
+            "gain_after": fmt(r["gain_after"]),
+            "gain_change": fmt(r["gain_change"]),
+            "positions": " ".join(f"{m:.3f}" for m, _ in r["after_by_position"]),
+        }
+        for arm, r in results.items()
+    ]
+    _print_table("RL effect (gain = last position - first, mean +- std over seeds)", TABLE, rows)
+    meta = run_meta()
+    _append_csv(out / "rl_effect.csv", TABLE, rows, meta)
+    settings = {"warm_steps": args.warm_steps, "rl_steps": args.rl_steps, "set": args.set}
+    return emit_summary({**meta, "settings": settings, "arms": results}, out / "rl_effect.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Starting a run from given weights (`train.init_from`, `cod-fast train --init-from PATH`).
+
+PATH is a run directory (the weights of its latest checkpoint, and its tokenizer) or a Hugging
+Face model folder in safetensors (what `cod-fast export` writes). Only the weights come from
+PATH: the new run has its own fresh optimizer, seeds, pack stream and run directory, so several
+arms (CoD RL, task-by-task RL, other seeds) can start from exactly the same checkpoint. Weights
+are read from safetensors only, never from a pickle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from cod_fast.checkpoint import latest_checkpoint, read_model_state
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / "checkpoints").is_dir()
+
+
+def check_source(path: str) -> str | None:
+    """Why `path` cannot be a start (None when it can)."""
+    source = Path(path)
+    if _is_run_dir(source):
+        return (
+            None if latest_checkpoint(source) else f"{path} is a run directory without checkpoints"
+        )
+    if source.is_dir() and list(source.glob("*.safetensors")):
+        return None
+    return (
+        f"{path} is neither a run directory with a checkpoint nor a model folder with "
+        "*.safetensors weights (export a run with `cod-fast export`)"
+    )
+
+
+def initial_weights(path: str) -> dict[str, torch.Tensor]:
+    """The weights at `path`, by their Hugging Face names."""
+    source = Path(path)
+    if _is_run_dir(source):
+        ckpt = latest_checkpoint(source)
+        if ckpt is None:
+            raise FileNotFoundError(check_source(path))
+        return read_model_state(ckpt)
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(check_source(path))
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:  # one file, or the shards of a large model
+        weights.update(load_file(file))
+    return weights
+
+
+def tokenizer_folder(path: str) -> Path:
+    """Where the tokenizer of the weights at `path` lies: a run's `tokenizer/`, else PATH."""
+    source = Path(path)
+    return source / "tokenizer" if _is_run_dir(source) else source
