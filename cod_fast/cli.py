@@ -495,6 +495,24 @@ TopPOption = Annotated[float | None, typer.Option(help="Nucleus sampling thresho
 SeedOption = Annotated[int | None, typer.Option(help="Sampling seed [0].")]
 
 
+PLAY_FLAGS = (
+    "env",
+    "size",
+    "setting",
+    "packs",
+    "tasks",
+    "max_response_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+)
+
+
+def _play_flags(options: dict) -> dict:
+    """The options of `eval` / `rollout` that override how a model plays (None: not given)."""
+    return {k: v for k, v in options.items() if k in PLAY_FLAGS}
+
+
 def _model_play(model: Path, flags: dict) -> tuple[dict, object, object]:
     """(options, sampler, chat format) for playing `model`: a model written by `cod-fast export`
     plays as its run evaluated (environment, size, eval setting and packs, prompt style, token
@@ -560,18 +578,7 @@ def eval_command(
     from cod_fast.envs import ENVIRONMENTS
     from cod_fast.evaluate import EvalPlan, evaluate
 
-    flags = {
-        "env": env,
-        "size": size,
-        "setting": setting,
-        "packs": packs,
-        "tasks": tasks,
-        "max_response_tokens": max_response_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "seed": seed,
-    }
-    o, sampler, chat = _model_play(model, flags)
+    o, sampler, chat = _model_play(model, _play_flags(locals()))
     envs = (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
     strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
     plan = EvalPlan(
@@ -597,7 +604,9 @@ def eval_command(
 def rollout_command(
     model: ModelOption,
     env: EnvOption = None,
-    packs: Annotated[int, typer.Option(help="Packs to play (the first eval packs).")] = 2,
+    count: Annotated[
+        int, typer.Option("--packs", help="Packs to play (the first eval packs).")
+    ] = 2,
     tasks: TasksOption = None,
     size: SizeOption = None,
     setting: EvalSettingOption = None,
@@ -619,19 +628,9 @@ def rollout_command(
     from cod_fast.rollout.driver import RolloutDriver
     from cod_fast.transcript import print_rollout, rollout_record
 
-    flags = {
-        "env": env,
-        "size": size,
-        "setting": setting,
-        "tasks": tasks,
-        "max_response_tokens": max_response_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "seed": seed,
-    }
-    o, sampler, chat = _model_play(model, flags)
+    o, sampler, chat = _model_play(model, _play_flags(locals()))
     environment = make_env(o["env"], o["setting"], o["size"])
-    played = make_packs(pack_seeds("eval", packs), o["tasks"])
+    played = make_packs(pack_seeds("eval", count), o["tasks"])
     rollouts = RolloutDriver(environment, sampler, chat, o["settings"]).run(played, group_size=1)
     console = Console()
     for rollout in rollouts:

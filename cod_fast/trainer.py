@@ -75,9 +75,9 @@ from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
 from cod_fast.warmstart import SFT_LOSS, demonstrations, run_tokenizer
 
 REFERENCE = "reference.safetensors"
+"""The KL reference's weights in the run directory."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Signals that finish the step, checkpoint and end the run (a second one ends it at once)."""
-"""The KL reference's weights in the run directory."""
 
 
 class RunDirError(RuntimeError):
