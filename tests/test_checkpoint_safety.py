@@ -145,6 +145,7 @@ except CheckpointError as exc:
 """
 
 
+@pytest.mark.slow  # a process of its own: seconds
 def test_full_disk_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
     """A write that the file system refuses raises CheckpointError naming the folder and the
     cause; the previous checkpoint stays `latest` and loads, and no temporary folder is left."""
