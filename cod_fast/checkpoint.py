@@ -156,10 +156,14 @@ def _finish_half_moved(root: Path) -> None:
     rewrite, or after a finished write) into its place, the newer one first."""
     for leftover in sorted(root.glob(".step-*")):
         final = root / leftover.name[1:].rsplit(".", 1)[0]
-        newer = _tmp(final)
-        for candidate in (newer, _aside(final)):
-            if not final.exists() and (candidate / META).exists():
-                candidate.rename(final)
+        if not final.exists() and (found := _complete(final)) is not None:
+            found.rename(final)
+
+
+def _complete(final: Path) -> Path | None:
+    """Where checkpoint `final` lies complete: in its place, else the newer folder a kill left
+    beside it (the rewrite's), else the older one it moved aside; None if nowhere."""
+    return next((p for p in (final, _tmp(final), _aside(final)) if (p / META).exists()), None)
 
 
 def _tmp(final: Path) -> Path:
@@ -194,9 +198,7 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
             f"{root / LATEST} names {name[:80]!r}, not a checkpoint folder of this run "
             "(step-NNNNNNN); the run directory was changed by hand or by something else"
         )
-    final = root / name
-    # A kill between the two renames of a rewrite leaves the new folder or the old one beside.
-    path = next((p for p in (final, _tmp(final), _aside(final)) if (p / META).exists()), None)
+    path = _complete(root / name)
     if path is None:
         raise CheckpointError(
             f"{root / LATEST} points at {name}, which is missing or incomplete; resume from "
