@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from cod_fast.config import ConfigError
 from cod_fast.policy import Policy
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -59,11 +60,11 @@ class DistContext:
 def resolve_device(device: str) -> torch.device:
     """The device `runtime.device` names on this machine (auto: CUDA when there is one)."""
     if device not in DEVICES:
-        raise ValueError(f"runtime.device must be one of {DEVICES}, got {device!r}")
+        raise ConfigError("runtime.device", f"got {device!r}; expected one of {DEVICES}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "runtime.device='cuda' but no CUDA device is available; set runtime.device to "
-            "'cpu' or 'auto'"
+        raise ConfigError(
+            "runtime.device",
+            "got 'cuda', but no CUDA device is available; set runtime.device to 'cpu' or 'auto'",
         )
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     return torch.device("cuda" if use_cuda else "cpu")

@@ -208,7 +208,7 @@ def test_init_without_torchrun_is_one_process(monkeypatch):
     with pytest.raises(ValueError, match=r"runtime\.device"):
         init_distributed("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"runtime\.device='cuda' but no CUDA"):
+        with pytest.raises(ValueError, match=r"runtime\.device: got 'cuda', but no CUDA"):
             init_distributed("cuda")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
