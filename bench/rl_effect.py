@@ -36,9 +36,9 @@ ARMS = ("cod", "task_by_task")
 PRESET = "tiny-cpu"
 
 
-def _train(run_dir: Path, overrides: list[str], log: Path) -> None:
-    """One `cod-fast train` in its own process; its output goes to `log`."""
-    cmd = [sys.executable, "-m", "cod_fast.cli", "train", "--preset", PRESET]
+def train_process(preset: str, run_dir: Path, overrides: list[str], log: Path) -> None:
+    """One `cod-fast train --preset PRESET` in its own process; its output goes to `log`."""
+    cmd = [sys.executable, "-m", "cod_fast.cli", "train", "--preset", preset]
     for override in [*overrides, f"runtime.run_dir={run_dir}"]:
         cmd += ["--set", override]
     with log.open("w") as f:
@@ -47,12 +47,14 @@ def _train(run_dir: Path, overrides: list[str], log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {log}")
 
 
-def _evals(run_dir: Path) -> dict[str, dict]:
-    rows = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+def evaluations(run_dir: Path) -> dict[str, dict]:
+    """A run's evaluations by label (none for a run not yet evaluated)."""
+    path = run_dir / "eval.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return {row["label"]: row for row in rows}
 
 
-def _spread(values: list[float]) -> tuple[float, float]:
+def spread(values: list[float]) -> tuple[float, float]:
     """(mean, sample standard deviation; 0 for one value)."""
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -63,13 +65,13 @@ def run(args) -> dict:
     runs.mkdir(parents=True, exist_ok=True)
     warm = runs / "warm"
     if not (warm / "checkpoints" / "latest").exists():
-        _train(warm, [*args.set, "train.steps=0", f"train.warm_start_steps={args.warm_steps}"],
+        train_process(PRESET, warm, [*args.set, "train.steps=0", f"train.warm_start_steps={args.warm_steps}"],
                runs / "warm.log")  # fmt: skip
     arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in args.seeds:
         for arm in ARMS:
             run_dir = runs / f"{arm}-seed{seed}"
-            if not (run_dir / "eval.jsonl").exists() or "end" not in _evals(run_dir):
+            if "end" not in evaluations(run_dir):
                 overrides = [
                     *args.set,
                     "train.warm_start_steps=0",
@@ -78,8 +80,8 @@ def run(args) -> dict:
                     f"algo.algorithm={arm}",
                     f"train.init_from={warm}",
                 ]
-                _train(run_dir, overrides, runs / f"{arm}-seed{seed}.log")
-            evals = _evals(run_dir)
+                train_process(PRESET, run_dir, overrides, runs / f"{arm}-seed{seed}.log")
+            evals = evaluations(run_dir)
             arms[arm].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
     return _summarize(arms, args)
 
@@ -92,12 +94,12 @@ def _summarize(arms: dict[str, list[dict]], args) -> dict:
         positions = list(zip(*(s["after"]["mean_reward"] for s in seeds), strict=True))
         results[arm] = {
             "seeds": [s["seed"] for s in seeds],
-            "gain_before": _spread(before),
-            "gain_after": _spread(after),
-            "gain_change": _spread([a - b for a, b in zip(after, before, strict=True)]),
-            "after_by_position": [_spread(list(p)) for p in positions],
+            "gain_before": spread(before),
+            "gain_after": spread(after),
+            "gain_change": spread([a - b for a, b in zip(after, before, strict=True)]),
+            "after_by_position": [spread(list(p)) for p in positions],
             "before_by_position": [
-                _spread(list(p))
+                spread(list(p))
                 for p in zip(*(s["before"]["mean_reward"] for s in seeds), strict=True)
             ],
             "eval_packs": seeds[0]["after"]["num_packs"],

@@ -18,7 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cod_fast.config import DEFAULT_PRESET, PRESETS, Config, ConfigError, dump_yaml, load_config
+from cod_fast.config import DEFAULT_PRESET, PRESETS, Config, ConfigError
+from cod_fast.config_io import dump_yaml, load_config
 
 app = typer.Typer(
     name="cod-fast",
@@ -369,6 +370,29 @@ def bench_rl_effect(
     options = {"warm-steps": warm_steps, "rl-steps": rl_steps, "seeds": seeds, "out": out}
     argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
     rl_effect.main([*argv, *(a for o in overrides or () for a in ("--set", o))])
+
+
+@bench_app.command("seeds")
+def bench_seeds(
+    preset: Annotated[
+        list[str] | None, typer.Option(help="Preset to run (repeatable) [tiny-cpu].")
+    ] = None,
+    seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds [0,1,2].")] = None,
+    overrides: SetOption = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the runs and results.")] = None,
+) -> None:
+    """Whole `cod-fast train` runs of presets over seeds: mean and spread of each evaluation,
+    what the warm start gives and what RL adds (cod_fast.bench.seeds)."""
+    from cod_fast.bench import seeds as seeds_bench
+
+    argv = [a for p in preset or () for a in ("--preset", p)]
+    argv += [
+        a
+        for k, v in {"seeds": seeds, "out": out}.items()
+        if v is not None
+        for a in (f"--{k}", str(v))
+    ]
+    seeds_bench.main([*argv, *(a for o in overrides or () for a in ("--set", o))])
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]

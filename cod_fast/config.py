@@ -1,9 +1,9 @@
-"""The configuration of a cod-fast run: one tree of dataclasses, named presets, YAML and overrides.
+"""The configuration of a cod-fast run: one tree of dataclasses and the named presets.
 
-A run is resolved in three layers, each validated as a whole: a named preset, then a YAML file
-deep-merged over it, then ``a.b.c=value`` overrides. Every config class checks its fields against
-their type hints (``_Config``) and adds its own range checks; an error names the dotted field, the
-bad value and what is allowed. The loss fields are the knobs of SPEC.md section 4.
+Every config class checks its fields against their type hints (``_Config``) and adds its own range
+checks; an error names the dotted field, the bad value and what is allowed. The loss fields are the
+knobs of SPEC.md section 4. How a run's config is resolved from a preset, a YAML file and
+``a.b.c=value`` overrides is cod_fast.config_io.
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 import sys
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
-
-import yaml
 
 PolicyLoss = Literal["ppo", "rec_one_side", "rec_one_side_is", "opd"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -357,6 +354,10 @@ class TrainConfig(_Config):
     """Warm-start steps of linear learning-rate warmup."""
     warm_start_packs: int = 16
     """Demonstration packs per warm-start step (fresh ones every step)."""
+    warm_start_hint_noise: float = 0.0
+    """Fraction of the demonstrations' update episodes that write another pack's hints instead
+    of their own (cod_fast.warmstart.ScriptedDriver): the warm-started model then writes right
+    hints only part of the time, and RL has hint quality to raise."""
     max_skipped_steps: int = 3
     """Consecutive steps with a NaN/inf loss or gradient (skipped, parameters unchanged) after
     which the run stops."""
@@ -374,6 +375,9 @@ class TrainConfig(_Config):
         self._at_least(0, "steps", "weight_decay", "warm_start_steps", "warm_start_warmup", "seed")
         self._above(0, "lr", "grad_clip", "warm_start_lr")
         self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")
+        self._require(
+            0 <= self.warm_start_hint_noise <= 1, "warm_start_hint_noise", "a fraction in [0, 1]"
+        )
 
 
 @dataclass(kw_only=True)
@@ -497,8 +501,13 @@ def _tiny_cpu() -> Config:
 def _tiny_cpu_tbt() -> Config:
     # The task-by-task ablation of tiny-cpu: GRPO per task, no update episodes, no re-weighting
     # (RED-weight is off for task_by_task unless a config asks for it).
-    changes = ["algo.algorithm=task_by_task", "algo.loss.policy=ppo"]
-    return apply_overrides(_tiny_cpu(), [*changes, "runtime.run_dir=runs/tiny-cpu-tbt"])
+    cod = _tiny_cpu()
+    loss = dataclasses.replace(cod.algo.loss, policy="ppo")
+    return dataclasses.replace(
+        cod,
+        algo=dataclasses.replace(cod.algo, algorithm="task_by_task", loss=loss),
+        runtime=dataclasses.replace(cod.runtime, run_dir="runs/tiny-cpu-tbt"),
+    )
 
 
 def _qwen3_1_7b() -> Config:
@@ -531,176 +540,3 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "qwen3-1.7b": _qwen3_1_7b,
 }
 DEFAULT_PRESET = "tiny-cpu"
-
-
-def to_dict(cfg: _Config) -> dict[str, Any]:
-    """The config as a plain nested dict (what YAML files hold)."""
-    return dataclasses.asdict(cfg)  # type: ignore[call-overload]
-
-
-def from_dict(cls: type[_Config], data: Mapping[str, Any], path: str = "") -> Any:
-    """Build and validate ``cls`` from a (partial) nested mapping; missing keys keep defaults.
-
-    ``path`` is the dotted position of ``data`` in the whole config, used in error messages.
-    """
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        key = f"{path}.{unknown[0]}" if path else str(unknown[0])
-        raise ConfigError(key, f"unknown key; allowed keys: {', '.join(names)}")
-    hints = _type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if isinstance(hint, type) and issubclass(hint, _Config) and isinstance(value, Mapping):
-            value = from_dict(hint, value, f"{path}.{name}" if path else name)
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise e.under(path) from None
-
-
-class _RefusedYaml(yaml.MarkedYAMLError):
-    """Well-formed YAML that config files may not use."""
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-5`` as a float (YAML 1.1 insists on ``1.0e-5``) and
-    refuses anchors and aliases: a config never needs them, and nested aliases (the "billion
-    laughs") expand a few hundred bytes into millions of nodes, which validation would then
-    echo. The refusal comes at the first anchor, before anything is expanded."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            name = clipped(event.anchor)
-            raise _RefusedYaml(
-                problem=f"anchors and aliases (&{name}, *{name}) are not allowed in configs; "
-                "write the values out",
-                problem_mark=event.start_mark,
-            )
-        return super().compose_node(parent, index)
-
-
-class _YamlDumper(yaml.SafeDumper):
-    """SafeDumper that quotes strings such as ``'1e5'``, which `_YamlLoader` would read as floats."""
-
-
-_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:\d[\d_]*(?:\.[\d_]*)?|\.\d[\d_]*)[eE][-+]?\d+$")
-_YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
-_YamlDumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
-    except yaml.reader.ReaderError as e:  # NUL and other control characters: binary, not text
-        what = f"unprintable character #x{e.character:04x} at offset {e.position}"
-        raise ConfigError(where, f"not YAML text: {what}") from None
-    except RecursionError:  # the composer recurses once per level of nesting
-        raise ConfigError(where, "malformed YAML: nested too deeply") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = clipped(getattr(e, "problem", None) or " ".join(str(e).split()))
-        kind = "" if isinstance(e, _RefusedYaml) else "malformed YAML: "
-        raise ConfigError(where, f"{kind}{problem}{at}") from None
-
-
-def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(merged.get(key), dict) and isinstance(value, Mapping):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _parent_section(data: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    """The dict that holds the last of ``keys``, checking that every key on the way exists."""
-    node: Any = data
-    for depth, key in enumerate(keys):
-        here = ".".join(keys[: depth + 1])
-        if not isinstance(node, dict):
-            raise ConfigError(here, f"{'.'.join(keys[:depth])} holds a value, not a section")
-        if key not in node:
-            raise ConfigError(here, f"unknown key; allowed keys: {', '.join(node)}")
-        parent, node = node, node[key]
-    return parent
-
-
-def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
-    """Return a new, validated config with each ``a.b.c=value`` applied in order.
-
-    Values are YAML (``null``, ``3``, ``0.5``, ``true``, ``k3``, ``{eps_low: 0.1}``); a mapping
-    merges into the section it names.
-    """
-    data = to_dict(cfg)
-    for override in overrides:
-        dotted, sep, text = override.partition("=")
-        if not sep:
-            raise ConfigError(
-                override, "missing '='; expected the form a.b.c=value, e.g. algo.loss.kl=k3"
-            )
-        dotted = dotted.strip()
-        keys = dotted.split(".")
-        parent = _parent_section(data, keys)
-        value = _parse_yaml(text, dotted)
-        if isinstance(parent[keys[-1]], dict) and isinstance(value, Mapping):
-            value = _deep_merge(parent[keys[-1]], value)
-        parent[keys[-1]] = value
-    return from_dict(Config, data)
-
-
-def _read_yaml_file(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError(path, f"cannot read config file: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        byte = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
-        raise ConfigError(path, f"not a UTF-8 text file: {byte} does not decode") from None
-    data = _parse_yaml(text, path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping at the top level, got {type(data).__name__}")
-    return data
-
-
-def load_config(
-    preset: str | None = None, path: str | None = None, overrides: Sequence[str] = ()
-) -> Config:
-    """Resolve a run's config: a preset, then a YAML file merged over it, then overrides.
-
-    The file may name its preset with a top-level ``preset:`` key; the ``preset`` argument wins.
-    """
-    file_data = _read_yaml_file(path) if path is not None else {}
-    file_preset = file_data.pop("preset", None)
-    name = preset if preset is not None else file_preset or DEFAULT_PRESET
-    if not isinstance(name, str) or name not in PRESETS:
-        raise ConfigError(
-            "preset", f"unknown preset {shown(name)}; choose one of {', '.join(PRESETS)}"
-        )
-    cfg = PRESETS[name]()
-    if file_data:
-        try:
-            cfg = from_dict(Config, _deep_merge(to_dict(cfg), file_data))
-        except ConfigError as e:
-            raise ConfigError(e.key, f"{e.problem} (in {path})") from None
-    return apply_overrides(cfg, overrides)
-
-
-def dump_yaml(cfg: Config) -> str:
-    """The config as YAML that ``load_config(path=...)`` reads back to an equal config; a key
-    left null to mean "the default for this run" carries its effective value as a comment."""
-    text = yaml.dump(to_dict(cfg), Dumper=_YamlDumper, sort_keys=False)
-    if cfg.algo.red_weight is None:
-        effective = str(cfg.algo.use_red_weight).lower()
-        text = text.replace(
-            "  red_weight: null\n", f"  red_weight: null  # effective: {effective}\n"
-        )
-    return text

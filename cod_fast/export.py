@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from cod_fast.checkpoint import Checkpoint, latest_checkpoint, read_model_state
-from cod_fast.config import Config, dump_yaml, load_config
+from cod_fast.config import Config
+from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
 from cod_fast.model import BUILTIN_TINY, load_policy
 from cod_fast.policy import Policy

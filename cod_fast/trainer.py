@@ -42,7 +42,8 @@ from cod_fast.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from cod_fast.config import Config, LossConfig, dump_yaml
+from cod_fast.config import Config, LossConfig
+from cod_fast.config_io import dump_yaml
 from cod_fast.distributed import (
     DistContext,
     all_reduce_max,
@@ -315,7 +316,9 @@ class Trainer:
         count = train.warm_start_packs
         seeds = pack_seeds("warm", count, train.seed, start=self.step * count)
         packs = make_packs(seeds, self.cfg.rollout.tasks_per_pack)
-        return demonstrations(self.env, self.chat, self.settings, packs)
+        return demonstrations(
+            self.env, self.chat, self.settings, packs, hint_noise=train.warm_start_hint_noise
+        )
 
     def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> Update:
         """Optimizer steps over the batch, split into `mini_batches` of whole rollouts."""

@@ -15,6 +15,7 @@ over the tokens is the mean negative log-likelihood. Both phases run through `tr
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,14 @@ class ScriptedDriver(RolloutDriver):
 
     The agent sees what the model would: the task (its prompt and step budget), the hints the
     solve prompt shows, each observation; it writes the next hints after each solve episode.
+
+    With `hint_noise` q, each update episode writes, with probability q, hints that another
+    pack's agent wrote earlier in this run instead of its own: well-formed, but about another
+    pack's hidden rule, so they are wrong wherever the packs' rules differ. The agent's own
+    state is unchanged; on the next task it reads what was written and corrects it from what it
+    sees. A model warm-started on such demonstrations writes right hints only part of the time,
+    which leaves hint quality for RL to raise. Whether an update episode is swapped is drawn
+    from its pack seed and position alone (one before any other pack wrote hints keeps its own).
     """
 
     def __init__(
@@ -48,10 +57,13 @@ class ScriptedDriver(RolloutDriver):
         chat: ChatFormat,
         settings: DriverSettings,
         agent_factory: Callable[[], Agent] | None = None,
+        hint_noise: float = 0.0,
     ):
         super().__init__(env, sampler=None, chat=chat, settings=settings)  # type: ignore[arg-type]
         self.make_agent = agent_factory or env.explorer
         self.agents: dict[tuple[int, int], Agent] = {}
+        self.hint_noise = hint_noise
+        self.written: dict[int, str] = {}  # pack id -> the latest hints its agent wrote
 
     def _sample(self, live: list[RunState]) -> list[Sample]:
         return [
@@ -62,19 +74,38 @@ class ScriptedDriver(RolloutDriver):
     def _answer(self, run: RunState) -> str:
         key = (run.spec.pack_id, run.member)
         if run.phase == "update":
-            return hint_block(self.agents[key].write_hints(run.task, run.shown_hints))
+            return hint_block(
+                self._hints(run, self.agents[key].write_hints(run.task, run.shown_hints))
+            )
         if not run.turns:  # the first response of a solve episode
             if run.position == 0:
                 self.agents[key] = self.make_agent()
             self.agents[key].start(run.task, run.shown_hints)
         return self.agents[key].act(run.observation)
 
+    def _hints(self, run: RunState, own: str | None) -> str | None:
+        """`own`, or with probability `hint_noise` another pack's latest hints (when there are
+        any yet)."""
+        donors = [hints for pack, hints in self.written.items() if pack != run.spec.pack_id]
+        if own is not None:
+            self.written[run.spec.pack_id] = own
+        rng = random.Random(f"hint-noise/{run.spec.pack_seed}/{run.position}")
+        if donors and rng.random() < self.hint_noise:
+            return rng.choice(sorted(donors))
+        return own
+
 
 def demonstrations(
-    env: Environment, chat: ChatFormat, settings: DriverSettings, packs: list[PackSpec]
+    env: Environment,
+    chat: ChatFormat,
+    settings: DriverSettings,
+    packs: list[PackSpec],
+    hint_noise: float = 0.0,
 ) -> list[Rollout]:
-    """The scripted explorer through `packs` (one member each), every advantage set to 1."""
-    rollouts = ScriptedDriver(env, chat, settings).run(packs, group_size=1)
+    """The scripted explorer through `packs` (one member each), every advantage set to 1;
+    `hint_noise` as in ScriptedDriver."""
+    driver = ScriptedDriver(env, chat, settings, hint_noise=hint_noise)
+    rollouts = driver.run(packs, group_size=1)
     for rollout in rollouts:
         for episode in rollout.episodes:
             episode.advantage = 1.0

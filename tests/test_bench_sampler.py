@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cod_fast.bench import sampler as bench
-from cod_fast.config import ModelConfig, load_config
+from cod_fast.config import ModelConfig
+from cod_fast.config_io import load_config
 from cod_fast.model import load_policy
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.torch_sampler import processed_logprobs

@@ -6,7 +6,8 @@ import yaml
 from typer.testing import CliRunner
 
 from cod_fast.cli import app
-from cod_fast.config import Config, from_dict, load_config
+from cod_fast.config import Config
+from cod_fast.config_io import from_dict, load_config
 
 runner = CliRunner()
 

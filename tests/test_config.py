@@ -23,12 +23,8 @@ from cod_fast.config import (
     RolloutConfig,
     RuntimeConfig,
     TrainConfig,
-    apply_overrides,
-    dump_yaml,
-    from_dict,
-    load_config,
-    to_dict,
 )
+from cod_fast.config_io import apply_overrides, dump_yaml, from_dict, load_config, to_dict
 
 
 def _error(overrides: list[str]) -> str:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 import cod_fast.trainer
 from cod_fast.cli import app
-from cod_fast.config import ConfigError, ModelConfig, load_config
+from cod_fast.config import ConfigError, ModelConfig
+from cod_fast.config_io import load_config
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.model import load_policy

@@ -164,7 +164,7 @@ def test_environment_error_and_cut_responses_stay_in_their_episode():
 def test_length_penalty_from_config():
     """rollout.length_penalty is subtracted from an episode whose response was cut; the driver
     settings come from the rollout config."""
-    from cod_fast.config import load_config
+    from cod_fast.config_io import load_config
 
     cfg = load_config(
         "tiny-cpu",

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import cod_fast.trainer as trainer_module
 from cod_fast.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.cli import app
-from cod_fast.config import load_config
+from cod_fast.config_io import load_config
 from cod_fast.train_step import NonFiniteError
 from cod_fast.trainer import RunDirError, Trainer
 

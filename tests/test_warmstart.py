@@ -1,0 +1,102 @@
+"""Warm-start demonstrations with hint noise (cod_fast.warmstart.ScriptedDriver)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cod_fast.config import PRESETS, ConfigError
+from cod_fast.config_io import apply_overrides
+from cod_fast.envs import make_env
+from cod_fast.envs.base import Agent, Task
+from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.driver import DriverSettings
+from cod_fast.tokenizer import CHATML, char_tokenizer
+from cod_fast.warmstart import ScriptedDriver, demonstrations
+
+PACKS = 24
+
+
+def _setup():
+    cfg = PRESETS["tiny-cpu"]()
+    settings = DriverSettings.from_config(cfg)
+    # Character tokens: lift the caps so that no hint is cut.
+    settings = dataclasses.replace(settings, max_response_tokens=10**6, max_hint_tokens=10**6)
+    env = make_env(cfg.rollout.env, "train", cfg.rollout.env_size)
+    packs = make_packs(pack_seeds("warm", PACKS, 7), cfg.rollout.tasks_per_pack)
+    return env, ChatFormat(char_tokenizer(CHATML)), settings, packs
+
+
+class _NamesItsPack(Agent):
+    """The explorer's moves, with hints that name the pack they were written for."""
+
+    def __init__(self, env):
+        self.inner = env.explorer()
+
+    def start(self, task: Task, hints: str | None) -> None:
+        self.inner.start(task, hints)
+
+    def act(self, observation: str) -> str:
+        return self.inner.act(observation)
+
+    def write_hints(self, task: Task, old_hints: str | None) -> str:
+        return f"pack {task.pack_seed}"
+
+
+def _written(env, chat, settings, packs, noise):
+    driver = ScriptedDriver(env, chat, settings, lambda: _NamesItsPack(env), hint_noise=noise)
+    rollouts = driver.run(packs, group_size=1)
+    return {
+        (r.pack_id, e.task_index): e.info["hints"]
+        for r in rollouts
+        for e in r.episodes
+        if e.kind == "update"
+    }, {r.pack_id: spec.pack_seed for r, spec in zip(rollouts, packs, strict=True)}
+
+
+def test_no_noise_is_the_plain_explorer():
+    env, chat, settings, packs = _setup()
+    plain = demonstrations(env, chat, settings, packs[:6])
+    quiet = demonstrations(env, chat, settings, packs[:6], hint_noise=0.0)
+    ids = [[t.response_ids for e in r.episodes for t in e.turns] for r in plain]
+    assert ids == [[t.response_ids for e in r.episodes for t in e.turns] for r in quiet]
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.5, 1.0])
+def test_a_swapped_update_writes_another_packs_hints(noise):
+    env, chat, settings, packs = _setup()
+    written, seed_of = _written(env, chat, settings, packs, noise)
+    own = {key: f"pack {seed_of[key[0]]}" for key in written}
+    swapped = [key for key in written if written[key] != own[key]]
+    assert all(written[key] in own.values() for key in swapped)  # another pack's hints
+    fraction = len(swapped) / len(written)
+    if noise == 0.0:
+        assert swapped == []
+    elif noise == 1.0:  # all but the updates before any other pack wrote
+        assert fraction > 0.9
+    else:  # 72 draws of a fair coin: 0.5 +- 3.5 standard deviations
+        assert 0.29 < fraction < 0.71, fraction
+    # Which updates are swapped is drawn from (pack seed, position) alone: the same packs in
+    # another order swap the same ones, except where no other pack had written yet.
+    again, _ = _written(env, chat, settings, packs[::-1], noise)
+    differ = [key for key in written if (written[key] != own[key]) != (again[key] != own[key])]
+    assert len(differ) <= 2, differ
+
+
+def test_the_next_task_reads_what_was_written():
+    env, chat, settings, packs = _setup()
+    driver = ScriptedDriver(env, chat, settings, hint_noise=1.0)
+    for rollout in driver.run(packs[:8], group_size=1):
+        episodes = rollout.episodes
+        for update, solve in zip(episodes[1::2], episodes[2::2], strict=True):
+            prompt = chat.decode(solve.turns[0].prompt_ids)
+            assert f"Hints: {update.info['hints']}" in prompt
+
+
+def test_hint_noise_outside_zero_to_one_is_refused():
+    base = PRESETS["tiny-cpu"]()
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ConfigError, match="warm_start_hint_noise"):
+            apply_overrides(base, [f"train.warm_start_hint_noise={bad}"])
