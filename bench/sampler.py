@@ -320,7 +320,7 @@ def _worker(spec: dict) -> dict:
     """One contender in this process: start it, warm up, time the steps, read the peak, then
     the log-prob mismatch against the trainer."""
     from cod_fast.algo.assign import assign_advantages
-    from cod_fast.config import load_config
+    from cod_fast.config_io import load_config
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
     from cod_fast.rollout.chat import ChatFormat
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from rich.console import Console
 
-    from cod_fast.config import load_config
+    from cod_fast.config_io import load_config
 
     cfg = load_config(PRESET)
     args.packs = args.packs or cfg.rollout.packs_per_step
