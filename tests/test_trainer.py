@@ -284,6 +284,22 @@ def test_task_by_task_rolls_out_no_update_episodes(tmp_path, monkeypatch):
     assert record["phase"] == "rl" and "hint_valid_frac" not in record
 
 
+def test_warm_start_hint_noise_reaches_the_demonstrations(tmp_path):
+    """`train.warm_start_hint_noise=1`: the first update episode of most packs carries another
+    pack's hints (the agents are alike up to there, so a clean run shows each pack's own)."""
+
+    def first_hints(noise, name):
+        caps = ["rollout.max_response_tokens=24", "algo.loss.max_response_len=24"]
+        packs = "train.warm_start_packs=6"
+        cfg = config(tmp_path / name, *caps, packs, f"train.warm_start_hint_noise={noise}")
+        rollouts = Trainer(cfg)._demonstrations()
+        return [next(e.info["hints"] for e in r.episodes if e.kind == "update") for r in rollouts]
+
+    clean, noisy = first_hints(0.0, "clean"), first_hints(1.0, "noisy")
+    assert None not in clean
+    assert sum(n != c for n, c in zip(noisy, clean, strict=True)) >= 3, (clean, noisy)
+
+
 def test_export_writes_a_hugging_face_model(tmp_path):
     """`cod-fast export` turns the latest checkpoint into a folder that from_pretrained loads,
     with the trained weights: its logits equal the trainer's model's."""
