@@ -391,16 +391,21 @@ class Trainer:
         self.reference.eval().requires_grad_(False)
 
     def _evaluate(self, label: str) -> None:
-        """Held-out eval packs on the main rank, always with the same sampling noise."""
+        """Held-out eval packs on the main rank, always with the same sampling noise: the CoD
+        protocol, and for a task-by-task run also its own mode (null hints at every task),
+        logged as `LABEL (own mode)`."""
         cfg = self.cfg
         if cfg.rollout.eval_packs == 0:
             return
         if self.ctx.is_main:
-            plan = run_eval_plan(cfg)
-            stream = self.samplers.eval.state_dict()
-            report = evaluate(self.samplers.eval, self.chat, plan, run_eval_settings(cfg))
-            self.samplers.eval.load_state_dict(stream)
-            self.log.evaluation(label, self.step, report["summaries"][cfg.rollout.env]["cod"])
+            modes = {label: run_eval_settings(cfg)}
+            if self.settings.mode != "cod":
+                modes[f"{label} (own mode)"] = self.settings
+            for name, settings in modes.items():
+                stream = self.samplers.eval.state_dict()
+                report = evaluate(self.samplers.eval, self.chat, run_eval_plan(cfg), settings)
+                self.samplers.eval.load_state_dict(stream)
+                self.log.evaluation(name, self.step, report["summaries"][cfg.rollout.env]["cod"])
         barrier(self.ctx)
 
     def _checkpoint(self) -> None:

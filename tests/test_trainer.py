@@ -265,7 +265,8 @@ def test_recomputed_old_logprobs_match_the_sampler(tmp_path):
 
 def test_task_by_task_rolls_out_no_update_episodes(tmp_path, monkeypatch):
     """The tiny-cpu-tbt preset: no update episodes (no hint metric), GRPO-style loss; its
-    evaluations still play the CoD protocol (update episodes), like the CoD arm's."""
+    evaluations play the CoD protocol (update episodes), like the CoD arm's, each followed by
+    one in its own mode, labelled so."""
     cfg = load_config(
         "tiny-cpu-tbt", overrides=[*FAST, f"runtime.run_dir={tmp_path / 'run'}", "train.steps=1"]
     )
@@ -279,7 +280,10 @@ def test_task_by_task_rolls_out_no_update_episodes(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "evaluate", record_mode)
     trainer = Trainer(cfg)
     trainer.run()
-    assert trainer.settings.mode == "task_by_task" and modes == ["cod"] * 3
+    assert trainer.settings.mode == "task_by_task"
+    assert modes == ["cod", "task_by_task"] * 3
+    labels = [json.loads(line)["label"] for line in (tmp_path / "run" / "eval.jsonl").open()]
+    assert labels[:2] == ["start", "start (own mode)"] and labels[-1] == "end (own mode)"
     record = metrics(tmp_path / "run")[-1]
     assert record["phase"] == "rl" and "hint_valid_frac" not in record
 
