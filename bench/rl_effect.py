@@ -59,6 +59,11 @@ def spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def fmt_spread(pair: tuple[float, float]) -> str:
+    """A gain's (mean, standard deviation) as `+0.123 +- 0.045`."""
+    return f"{pair[0]:+.3f} +- {pair[1]:.3f}"
+
+
 def run(args) -> dict:
     out = Path(args.out)
     runs = out / "runs"
@@ -156,16 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     _plot(results, out / "rl_effect.png")
 
-    def fmt(pair):
-        return f"{pair[0]:+.3f} +- {pair[1]:.3f}"
-
     rows = [
         {
             "arm": arm,
             "seeds": ",".join(map(str, r["seeds"])),
-            "gain_before": fmt(r["gain_before"]),
-            "gain_after": fmt(r["gain_after"]),
-            "gain_change": fmt(r["gain_change"]),
+            "gain_before": fmt_spread(r["gain_before"]),
+            "gain_after": fmt_spread(r["gain_after"]),
+            "gain_change": fmt_spread(r["gain_change"]),
             "positions": " ".join(f"{m:.3f}" for m, _ in r["after_by_position"]),
         }
         for arm, r in results.items()

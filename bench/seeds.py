@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.rl_effect import evaluations, spread, train_process
+from cod_fast.bench.rl_effect import evaluations, fmt_spread, spread, train_process
 from cod_fast.bench.train import _append_csv, _print_table, run_meta
 
 LABELS = ("start", "after warm start", "end")
@@ -80,10 +80,6 @@ TABLE = (
 )
 
 
-def _fmt(pair) -> str:
-    return f"{pair[0]:+.3f} +- {pair[1]:.3f}"
-
-
 def _rows(results: dict) -> list[dict]:
     rows = []
     for preset, r in results.items():
@@ -97,8 +93,8 @@ def _rows(results: dict) -> list[dict]:
                     "evaluation": label,
                     "step": e["step"],
                     "positions": " ".join(f"{m:.3f}+-{s:.3f}" for m, s in e["by_position"]),
-                    "gain": _fmt(e["gain"]),
-                    "part": f"{part[0]} {_fmt(r[part[1]])}" if part else "",
+                    "gain": fmt_spread(e["gain"]),
+                    "part": f"{part[0]} {fmt_spread(r[part[1]])}" if part else "",
                 }
             )
     return rows

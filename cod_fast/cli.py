@@ -279,6 +279,15 @@ def export_command(
     typer.echo(f"wrote step {ckpt.step} of {run_dir} to {out}")
 
 
+def _bench_argv(options: dict, **repeated: list[str] | None) -> list[str]:
+    """A bench module's argv: `--KEY VALUE` for each option given (not None), and `--FLAG V` once
+    per value of each repeatable flag (`set`, `preset`)."""
+    argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
+    for flag, values in repeated.items():
+        argv += [a for v in values or () for a in (f"--{flag}", v)]
+    return argv
+
+
 @bench_app.command("kernels")
 def bench_kernels(
     cases: Annotated[
@@ -300,7 +309,7 @@ def bench_kernels(
     from cod_fast.bench import kernels
 
     options = dict(cases=cases, impls=impls, reps=reps, warmup=warmup, scale=scale, out=out)
-    kernels.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])
+    kernels.main(_bench_argv(options))
 
 
 @bench_app.command("train")
@@ -326,8 +335,7 @@ def bench_train(
 
     options = {"sections": sections, "reps": reps, "warmup": warmup, "tokens": tokens}
     options |= {"packs": packs, "device": device, "out": out, "jobs": jobs}
-    argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
-    train.main(argv + ["--tiny"] * tiny + ["--grad-ckpt"] * grad_ckpt)
+    train.main(_bench_argv(options) + ["--tiny"] * tiny + ["--grad-ckpt"] * grad_ckpt)
 
 
 @bench_app.command("sampler")
@@ -352,7 +360,7 @@ def bench_sampler(
 
     options = dict(sizes=sizes, contenders=contenders, reps=reps, warmup=warmup, model=model)
     options["out"] = out
-    sampler.main([a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))])
+    sampler.main(_bench_argv(options))
 
 
 @bench_app.command("rl-effect")
@@ -368,8 +376,7 @@ def bench_rl_effect(
     from cod_fast.bench import rl_effect
 
     options = {"warm-steps": warm_steps, "rl-steps": rl_steps, "seeds": seeds, "out": out}
-    argv = [a for k, v in options.items() if v is not None for a in (f"--{k}", str(v))]
-    rl_effect.main([*argv, *(a for o in overrides or () for a in ("--set", o))])
+    rl_effect.main(_bench_argv(options, set=overrides))
 
 
 @bench_app.command("seeds")
@@ -385,14 +392,8 @@ def bench_seeds(
     what the warm start gives and what RL adds (cod_fast.bench.seeds)."""
     from cod_fast.bench import seeds as seeds_bench
 
-    argv = [a for p in preset or () for a in ("--preset", p)]
-    argv += [
-        a
-        for k, v in {"seeds": seeds, "out": out}.items()
-        if v is not None
-        for a in (f"--{k}", str(v))
-    ]
-    seeds_bench.main([*argv, *(a for o in overrides or () for a in ("--set", o))])
+    options = {"seeds": seeds, "out": out}
+    seeds_bench.main(_bench_argv(options, preset=preset, set=overrides))
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]

@@ -65,7 +65,7 @@ class _Config:
     """
 
     def __post_init__(self) -> None:
-        hints = _type_hints(type(self))
+        hints = type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value, hint = getattr(self, f.name), hints[f.name]
             if not _fits(value, hint):
@@ -93,7 +93,9 @@ class _Config:
 
 
 @functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
+def type_hints(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a config class (cached: validation reads them for every
+    instance)."""
     return typing.get_type_hints(cls)
 
 

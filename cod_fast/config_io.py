@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from cod_fast.config import (
     ConfigError,
     clipped,
     shown,
+    type_hints,
 )
 
 
@@ -40,7 +40,7 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     if unknown:
         key = f"{path}.{unknown[0]}" if path else str(unknown[0])
         raise ConfigError(key, f"unknown key; allowed keys: {', '.join(names)}")
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]

@@ -398,12 +398,12 @@ class Trainer:
         if cfg.rollout.eval_packs == 0:
             return
         if self.ctx.is_main:
-            modes = {label: run_eval_settings(cfg)}
+            plan, modes = run_eval_plan(cfg), {label: run_eval_settings(cfg)}
             if self.settings.mode != "cod":
                 modes[f"{label} (own mode)"] = self.settings
             for name, settings in modes.items():
                 stream = self.samplers.eval.state_dict()
-                report = evaluate(self.samplers.eval, self.chat, run_eval_plan(cfg), settings)
+                report = evaluate(self.samplers.eval, self.chat, plan, settings)
                 self.samplers.eval.load_state_dict(stream)
                 self.log.evaluation(name, self.step, report["summaries"][cfg.rollout.env]["cod"])
         barrier(self.ctx)
