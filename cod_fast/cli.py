@@ -60,13 +60,16 @@ def _resolve_config(
     overrides: list[str] | None,
     *,
     for_training: bool = False,
+    cfg: Config | None = None,
 ) -> Config:
-    """The config the options describe, `for_training` also checked against this machine
-    before any compute (cod_fast.preflight); a ConfigError becomes one red line and exit code 2."""
+    """The config the options describe (or `cfg`, already resolved), `for_training` also
+    checked against this machine before any compute (cod_fast.preflight); a ConfigError becomes
+    one red line and exit code 2."""
     try:
-        cfg = load_config(
-            preset, None if config_file is None else str(config_file), overrides or ()
-        )
+        if cfg is None:
+            cfg = load_config(
+                preset, None if config_file is None else str(config_file), overrides or ()
+            )
         if for_training:
             from cod_fast.preflight import preflight  # imports torch: only `train` pays for it
 
@@ -168,9 +171,14 @@ def train(
     if init_from is not None:
         overrides = [*(overrides or []), f"train.init_from={init_from}"]
     cfg = _resolve_config(preset, config_file, overrides, for_training=True)
+    _train_run(cfg, resume, Console())
+
+
+def _train_run(cfg: Config, resume: bool, console: Console) -> None:
+    """One training run with progress and its summary; bad input is one red line (exit 2), a
+    signal ends it as a shell reports it (128 + signal)."""
     from cod_fast.trainer import Trainer
 
-    console = Console()
     trainer = None
     try:
         trainer = Trainer(cfg)
@@ -200,6 +208,64 @@ def train(
     shutdown(trainer.ctx)
     if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
         raise typer.Exit(128 + summary["signal"])
+
+
+@app.command()
+def distill(
+    preset: PresetOption = None,
+    config_file: ConfigFileOption = None,
+    overrides: SetOption = None,
+    teacher_preset: Annotated[
+        str, typer.Option(help="Preset of the teacher runs (one per environment).")
+    ] = "tiny-cpu",
+    teacher_overrides: Annotated[
+        list[str] | None,
+        typer.Option("--teacher-set", help="Override a field of every teacher run (repeatable)."),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the student's run from its checkpoint.")
+    ] = False,
+) -> None:
+    """Distil single-domain teachers into one student on mixed packs (default preset:
+    tiny-cpu-opd): first a teacher run for every environment whose `algo.teachers` folder holds
+    no model yet (the teacher preset on that environment alone, with the student's tokenizer;
+    exported to that folder), then the student's run. Rerun after a stop: finished teachers are
+    kept, an unfinished teacher run resumes."""
+    from cod_fast.checkpoint import latest_checkpoint
+    from cod_fast.distill import teacher_jobs
+    from cod_fast.envs import make_env
+    from cod_fast.export import export_model
+    from cod_fast.rollout.driver import DriverSettings
+    from cod_fast.warmstart import run_tokenizer
+
+    student = _resolve_config(preset or "tiny-cpu-opd", config_file, overrides)
+    if not student.algo.teachers:
+        _fail("algo.teachers: the student config names no teachers (algo.loss.policy=opd)")
+    console = Console()
+    envs = [make_env(e.name, e.setting, e.size) for e in student.rollout.environments]  # type: ignore[arg-type]
+    run_tokenizer(student, envs, DriverSettings.from_config(student), is_main=True)
+    try:
+        jobs = teacher_jobs(student, teacher_preset, teacher_overrides or ())
+    except ConfigError as e:
+        _fail(f"{e} (a teacher run's config)")
+    for job in jobs:
+        console.print(f"teacher for {job.env}: training {job.config.runtime.run_dir}")
+        _resolve_config(None, None, None, for_training=True, cfg=job.config)
+        done = latest_checkpoint(Path(job.config.runtime.run_dir))
+        total = job.config.train.warm_start_steps + job.config.train.steps
+        if done is None or done.step < total:
+            _train_run(job.config, resume=done is not None, console=console)
+        export_model(job.config.runtime.run_dir, job.folder)
+        console.print(f"teacher for {job.env}: exported to {job.folder}")
+    _resolve_config(None, None, None, for_training=True, cfg=student)
+    _train_run(student, resume, console)
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True).print(
+        f"error: {message}", style="red", markup=False, highlight=False, soft_wrap=True
+    )
+    raise typer.Exit(2)
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -246,12 +312,15 @@ def _print_summary(summary: dict, console: Console) -> None:
     evals = summary["evals"]
     if evals:
         width = max(len(e["mean_reward"]) for e in evals)
+        several = len({e.get("env") for e in evals}) > 1  # a mixed-domain run: one row per env
         table = Table(title="held-out eval packs: mean reward by pack position")
-        for column in ("when", "step", *(f"pos {k}" for k in range(width)), "CoD gain"):
-            table.add_column(column, justify="left" if column == "when" else "right")
+        names = ("when", *(["env"] if several else []), "step")
+        for column in (*names, *(f"pos {k}" for k in range(width)), "CoD gain"):
+            table.add_column(column, justify="left" if column in ("when", "env") else "right")
         for e in evals:
             table.add_row(
                 e["label"],
+                *([e["env"]] if several else []),
                 str(e["step"]),
                 *(f"{x:.3f}" for x in e["mean_reward"]),
                 f"{e['cod_gain']:+.3f}",
@@ -394,6 +463,21 @@ def bench_seeds(
 
     options = {"seeds": seeds, "out": out}
     seeds_bench.main(_bench_argv(options, preset=preset, set=overrides))
+
+
+@bench_app.command("distill")
+def bench_distill(
+    seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds [0,1,2].")] = None,
+    jobs: Annotated[int | None, typer.Option(help="Runs at once [2].")] = None,
+    overrides: SetOption = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the runs and results.")] = None,
+) -> None:
+    """Teachers, distilled students (tiny-cpu-opd) and mixed-domain CoD RL from the same warm
+    start, over seeds: each environment's gain against its teacher's (cod_fast.bench.distill)."""
+    from cod_fast.bench import distill as distill_bench
+
+    options = {"seeds": seeds, "jobs": jobs, "out": out}
+    distill_bench.main(_bench_argv(options, set=overrides))
 
 
 SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]
@@ -539,50 +623,71 @@ def _play_flags(options: dict) -> dict:
 
 
 def _model_play(model: Path, flags: dict) -> tuple[dict, object, object]:
-    """(options, sampler, chat format) for playing `model`: a model written by `cod-fast export`
-    plays as its run evaluated (environment, size, eval setting and packs, prompt style, token
-    caps, temperature, seed), other models with the defaults in brackets; a flag that is given
-    overrides one of those, and says so."""
-    import dataclasses
-
-    import torch
-
-    from cod_fast.config import ModelConfig
-    from cod_fast.evaluate import eval_defaults
-    from cod_fast.export import read_run_config
-    from cod_fast.model import load_policy
-    from cod_fast.rollout.chat import ChatFormat
-    from cod_fast.rollout.torch_sampler import TorchSampler
+    """(options, sampler, chat format) for playing `model` (cod_fast.matrix.load_player): a
+    model written by `cod-fast export`, or a run directory, plays as its run evaluated
+    (environment, size, eval setting and packs, prompt style, token caps, temperature, seed),
+    other models with the defaults in brackets; a flag that is given overrides one of those, and
+    says so."""
+    from cod_fast.matrix import load_player
 
     try:
-        run = read_run_config(model)
-    except ConfigError as e:
-        Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
-    base = eval_defaults(run)
-    given = {k: v for k, v in flags.items() if v is not None}
-    if run is not None:
-        for key, value in given.items():
-            if value != base[key]:
-                typer.echo(f"overriding the run's {key}={base[key]!r} with {value!r}", err=True)
-    o = base | given
-    _make_env(o["env"], o["setting"], o["size"])  # a clear error for a bad name before the model
-    o["settings"] = dataclasses.replace(o["settings"], max_response_tokens=o["max_response_tokens"])
-    model_cfg = ModelConfig() if run is None else run.model
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy, tokenizer = load_policy(dataclasses.replace(model_cfg, name_or_path=str(model)), device)
-    sampler = TorchSampler(
-        policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
-    )
-    return o, sampler, ChatFormat(tokenizer)
+        return load_player(model, flags, log=_to_stderr)
+    except _bad_model_input() as e:
+        _fail(str(e))
+
+
+def _bad_model_input() -> tuple[type[Exception], ...]:
+    """What a bad model folder, run directory, name or value raises: one red line, no traceback."""
+    from cod_fast.checkpoint import CheckpointError
+
+    return (ValueError, OSError, CheckpointError)
+
+
+def _to_stderr(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+ModelsOption = Annotated[
+    list[Path],
+    typer.Option(
+        "--model",
+        help="A model folder (cod-fast export, any Hugging Face causal LM) or a run directory "
+        "(cod-fast train); repeatable with --matrix.",
+    ),
+]
+EnvsOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--env",
+        help="The training environment (in-domain) \\[frozenlake]; with --matrix the columns "
+        "(repeatable) \\[every environment].",
+    ),
+]
 
 
 @app.command("eval")
 def eval_command(
-    model: ModelOption,
-    env: EnvOption = None,
+    model: ModelsOption,
+    env: EnvsOption = None,
     cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
-    ralph: Annotated[bool, typer.Option(help="Also the Ralph-loop pack strategies.")] = False,
+    ralph: Annotated[
+        bool, typer.Option(help="Also the Ralph-loop pack strategies (always in a --matrix).")
+    ] = False,
+    strategy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--strategy",
+            help="Only these pack strategies (repeatable): cod, ralph_sample, ralph_full.",
+        ),
+    ] = None,
+    matrix: Annotated[
+        bool,
+        typer.Option(
+            "--matrix",
+            help="Every --model on every --env and strategy: matrix.json and matrix.png. "
+            "The flags below apply to every model alike.",
+        ),
+    ] = False,
     packs: PacksOption = None,
     tasks: TasksOption = None,
     size: SizeOption = None,
@@ -591,21 +696,33 @@ def eval_command(
     temperature: TemperatureOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = None,
-    out: Annotated[Path, typer.Option(help="Folder for eval.json and eval.png.")] = Path(
-        "runs/eval"
-    ),
+    out: Annotated[
+        Path, typer.Option(help="Folder for eval.json and eval.png (matrix.json, matrix.png).")
+    ] = Path("runs/eval"),
 ) -> None:
     """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG).
 
-    A model written by `cod-fast export` is evaluated as its run evaluated it: with no flag but
-    --model the result is the run's last eval row. Every run is evaluated with the CoD protocol
-    (update episodes, hints carried forward)."""
+    A model written by `cod-fast export` (or its run directory) is evaluated as its run
+    evaluated it: with no flag but --model the result is the run's last eval row. Every run is
+    evaluated with the CoD protocol (update episodes, hints carried forward). `--matrix` puts
+    several models side by side, each with its own settings but the environment."""
     from cod_fast.envs import ENVIRONMENTS
+    from cod_fast.envs.packs import STRATEGIES
     from cod_fast.evaluate import EvalPlan, evaluate
 
-    o, sampler, chat = _model_play(model, _play_flags(locals()))
+    flags = _play_flags(locals())
+    strategies = tuple(strategy or (STRATEGIES if ralph or matrix else ("cod",)))
+    if unknown := [s for s in strategies if s not in STRATEGIES]:
+        _fail(f"unknown --strategy {unknown}; choose from {', '.join(STRATEGIES)}")
+    if matrix:
+        envs = list(env or ENVIRONMENTS)
+        envs += [n for n in ENVIRONMENTS if cross_domain and n not in envs]
+        _eval_matrix(model, envs, strategies, flags, out)
+        return
+    if len(model) > 1 or len(env or ()) > 1:
+        _fail("several --model or --env need --matrix; without it: one model, one environment")
+    o, sampler, chat = _model_play(model[0], flags | {"env": env[0] if env else None})
     envs = (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
-    strategies = ("cod", "ralph_sample", "ralph_full") if ralph else ("cod",)
     plan = EvalPlan(
         envs=envs,
         strategies=strategies,
@@ -623,6 +740,34 @@ def eval_command(
     title = f"eval ({o['setting']}, {o['size']}): mean reward by pack position, {o['packs']} packs"
     _print_positions(title, "env / strategy", rows)
     typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")
+
+
+def _eval_matrix(
+    models: list[Path], envs: list[str], strategies: tuple[str, ...], flags: dict, out: Path
+) -> None:
+    """`eval --matrix`: evaluate, print one row per (model, env / strategy), write the files."""
+    from cod_fast.matrix import evaluate_matrix
+
+    play = {k: v for k, v in flags.items() if k != "env"}
+    try:
+        result = evaluate_matrix(models, envs, strategies, out_dir=out, log=_to_stderr, **play)
+    except _bad_model_input() as e:
+        _fail(str(e))
+    table = Table(title="cross-domain matrix (± one standard error over packs)")
+    for column in ("model", "env / strategy", "CoD gain ± se", "last position ± se"):
+        table.add_column(column, justify="right" if "±" in column else "left")
+    for row in result["models"]:
+        cells = [c for c in result["cells"] if c["model"] == row["label"]]
+        for i, c in enumerate(cells):
+            table.add_row(
+                Text(row["label"] if i == 0 else ""),
+                f"{c['env']} / {c['strategy']}",
+                f"{c['cod_gain']:+.3f} ± {c['cod_gain_se']:.3f}",
+                f"{c['last_reward']:.3f} ± {c['last_reward_se']:.3f}",
+                end_section=i == len(cells) - 1,
+            )
+    Console().print(table)
+    typer.echo(f"wrote {out / 'matrix.json'} and {out / 'matrix.png'}")
 
 
 @app.command("rollout")

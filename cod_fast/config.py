@@ -101,6 +101,14 @@ def type_hints(cls: type) -> dict[str, Any]:
 
 def _fits(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_fits(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _fits(k, key) and _fits(v, item) for k, v in value.items()
+        )
     if origin is Literal:
         return any(type(value) is type(a) and value == a for a in typing.get_args(hint))
     if origin in (typing.Union, types.UnionType):
@@ -122,6 +130,11 @@ def _finite(number: float) -> bool:
 
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
+    if origin is list:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return f"a mapping from {_describe(key)} to {_describe(item)}"
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if origin in (typing.Union, types.UnionType):
@@ -207,11 +220,17 @@ class ModelConfig(_Config):
     the scripted explorer's transcripts of the run's environment."""
     vocab_size: int = 512
     """Builtin models with the `bpe` tokenizer: the most tokens the vocabulary may have."""
+    tokenizer_path: str | None = None
+    """Builtin models: this saved tokenizer folder (a run's `tokenizer/`) instead of one built for
+    the run, so that runs on different environments share a vocabulary (a distillation's
+    teachers and student)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         named = bool(self.name_or_path.strip())
         self._require(named, "name_or_path", "a model folder, a hub id or 'builtin:tiny-qwen3'")
+        if self.tokenizer_path is not None:
+            self._require(bool(self.tokenizer_path.strip()), "tokenizer_path", "a folder or null")
         self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
         self._at_least(128, "vocab_size")
         divisible = self.hidden_size % self.num_heads == 0
@@ -219,11 +238,34 @@ class ModelConfig(_Config):
 
 
 @dataclass(kw_only=True)
-class RolloutConfig(_Config):
-    """Which environment is rolled out, and how packs are sampled."""
+class EnvEntry(_Config):
+    """One environment of a mixed-domain run (an item of `rollout.envs`)."""
 
-    env: EnvName = "frozenlake"
-    """The environment family."""
+    name: EnvName | None = None
+    """The environment family (required)."""
+    weight: float = 1.0
+    """Each pack comes from this environment with probability weight / (sum of the weights)."""
+    size: Literal["tiny", "full"] | None = None
+    """null: rollout.env_size."""
+    setting: Literal["train", "eval"] | None = None
+    """null: rollout.env_setting."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._require(self.name is not None, "name", "an environment name")
+        self._above(0, "weight")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(_Config):
+    """Which environments are rolled out, and how packs are sampled."""
+
+    env: EnvName | None = "frozenlake"
+    """The environment of a single-environment run; null when `envs` lists several."""
+    envs: list[EnvEntry] = field(default_factory=list)
+    """Several environments in one run (name, weight, size, setting): each step's packs are
+    drawn across them by weight, every pack from one environment; metrics, evaluations and plots
+    report each. Empty: the one `env`."""
     env_setting: Literal["train", "eval"] = "train"
     """Which split of the environment's hidden rules the packs are drawn from."""
     env_size: Literal["tiny", "full"] = "tiny"
@@ -271,8 +313,26 @@ class RolloutConfig(_Config):
     """Wording of the solve and update prompts: `full` for LLMs, `compact` (same structure, fewest
     words) for tiny models."""
 
+    @property
+    def environments(self) -> tuple[EnvEntry, ...]:
+        """The run's environments with their size and setting resolved: `envs`, or `env`."""
+        entries = self.envs or [EnvEntry(name=self.env)]
+        return tuple(
+            dataclasses.replace(
+                e, size=e.size or self.env_size, setting=e.setting or self.env_setting
+            )
+            for e in entries
+        )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.envs:
+            names = [e.name for e in self.envs]
+            self._require(self.env is None, "env", "null when rollout.envs lists the environments")
+            repeated = sorted({n for n in names if names.count(n) > 1})
+            self._require(not repeated, "envs", f"each environment once (repeated: {repeated})")
+        else:
+            self._require(self.env is not None, "env", "an environment name (or rollout.envs)")
         self._at_least(1, "packs_per_step", "tasks_per_pack", "max_response_tokens")
         self._at_least(1, "max_hint_tokens")
         self._at_least(2, "group_size")  # the baseline is a group mean
@@ -308,6 +368,10 @@ class AlgoConfig(_Config):
     """Take the ratio against the sampler's log-probs, or recompute them with the trainer."""
     loss: LossConfig = field(default_factory=LossConfig)
     """The policy loss."""
+    teachers: dict[EnvName, str] = field(default_factory=dict)
+    """On-policy distillation (`loss.policy=opd`): environment -> teacher model folder (a
+    `cod-fast export` or any Hugging Face folder with the run's tokenizer). The teacher of each
+    pack's environment scores the student's sequences at the trainable positions."""
 
     @property
     def use_red_weight(self) -> bool:
@@ -427,13 +491,7 @@ class Config(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.algo.loss.policy == "opd":
-            raise ConfigError(
-                "algo.loss.policy",
-                "got 'opd'; expected ppo, rec_one_side or rec_one_side_is: on-policy distillation "
-                "needs teachers' log-probs, which no run produces yet (the loss itself takes "
-                "them through cod_fast.ops.linear_policy_loss(teacher_logp=...))",
-            )
+        self._check_teachers()
         cap, norm = self.rollout.max_response_tokens, self.algo.loss.max_response_len
         if cap != norm:
             raise ConfigError(
@@ -449,6 +507,38 @@ class Config(_Config):
                 f"got {self.rollout.strategy!r} with algo.algorithm='task_by_task'; expected "
                 "'cod' (Ralph strategies need update episodes, which task_by_task has not)",
             )
+
+    def _check_teachers(self) -> None:
+        """`opd` needs a teacher for every environment of the run; teachers need `opd`."""
+        teachers, opd = self.algo.teachers, self.algo.loss.policy == "opd"
+        names = [e.name for e in self.rollout.environments]
+        if opd and not teachers:
+            raise ConfigError(
+                "algo.teachers",
+                "got none with algo.loss.policy='opd'; expected a teacher model folder per "
+                f"environment, e.g. algo.teachers={{{names[0]}: path/to/teacher}}",
+            )
+        if teachers and not opd:
+            raise ConfigError(
+                "algo.teachers",
+                f"got teachers with algo.loss.policy={self.algo.loss.policy!r}; expected "
+                "algo.loss.policy='opd' (only on-policy distillation reads teachers)",
+            )
+        missing = [n for n in names if opd and n not in teachers]
+        if missing:
+            raise ConfigError(
+                "algo.teachers", f"no teacher for {', '.join(missing)}; every environment needs one"
+            )
+        unused = sorted(set(teachers) - set(names))
+        if unused:
+            raise ConfigError(
+                "algo.teachers",
+                f"teachers for {', '.join(unused)}, which the run does not roll out (its "
+                f"environments: {', '.join(names)})",
+            )
+        empty = [n for n, path in teachers.items() if not path.strip()]
+        if empty:
+            raise ConfigError("algo.teachers", f"an empty path for {empty[0]}; expected a folder")
 
 
 def refuse_cpu_dtype(dtype: str, device: str) -> None:
@@ -514,6 +604,36 @@ def _tiny_cpu_tbt() -> Config:
     )
 
 
+MIXED_ENVS = ("frozenlake", "terminal")
+"""The environments of the tiny mixed-domain presets: the two whose scripted explorer gains
+most from hints at the tiny size, and whose demonstrations are short."""
+
+
+def _tiny_cpu_mixed() -> Config:
+    # tiny-cpu on two environments at once, each pack from either with equal weight.
+    cod = _tiny_cpu()
+    envs = [EnvEntry(name=name) for name in MIXED_ENVS]  # type: ignore[arg-type]
+    return dataclasses.replace(
+        cod,
+        rollout=dataclasses.replace(cod.rollout, env=None, envs=envs),
+        runtime=dataclasses.replace(cod.runtime, run_dir="runs/tiny-cpu-mixed"),
+    )
+
+
+def _tiny_cpu_opd() -> Config:
+    # The student of a distillation: tiny-cpu-mixed's warm start, then on-policy distillation
+    # from one tiny-cpu teacher per environment (`cod-fast distill` trains the teachers it
+    # lacks, with this run's tokenizer, under runs/tiny-cpu-opd/teachers/).
+    mixed = _tiny_cpu_mixed()
+    teachers = {name: f"runs/tiny-cpu-opd/teachers/{name}" for name in MIXED_ENVS}
+    loss = dataclasses.replace(mixed.algo.loss, policy="opd", opd_coef=1.0)
+    return dataclasses.replace(
+        mixed,
+        algo=dataclasses.replace(mixed.algo, loss=loss, teachers=teachers),  # type: ignore[arg-type]
+        runtime=dataclasses.replace(mixed.runtime, run_dir="runs/tiny-cpu-opd"),
+    )
+
+
 def _qwen3_1_7b() -> Config:
     return Config(
         model=ModelConfig(
@@ -541,6 +661,8 @@ def _qwen3_1_7b() -> Config:
 PRESETS: dict[str, Callable[[], Config]] = {
     "tiny-cpu": _tiny_cpu,
     "tiny-cpu-tbt": _tiny_cpu_tbt,
+    "tiny-cpu-mixed": _tiny_cpu_mixed,
+    "tiny-cpu-opd": _tiny_cpu_opd,
     "qwen3-1.7b": _qwen3_1_7b,
 }
 DEFAULT_PRESET = "tiny-cpu"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,9 +44,15 @@ def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
     hints = type_hints(cls)
     kwargs = {}
     for name, value in data.items():
-        hint = hints[name]
+        hint, where = hints[name], f"{path}.{name}" if path else name
         if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
-            value = from_dict(hint, value, f"{path}.{name}" if path else name)
+            value = from_dict(hint, value, where)
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+        if dataclasses.is_dataclass(item) and isinstance(value, list):  # e.g. rollout.envs
+            value = [
+                from_dict(item, v, f"{where}[{i}]") if isinstance(v, Mapping) else v  # type: ignore[arg-type]
+                for i, v in enumerate(value)
+            ]
         kwargs[name] = value
     try:
         return cls(**kwargs)

@@ -38,16 +38,20 @@ class EvalPlan:
     tasks: int = 4
 
 
-def run_eval_plan(cfg: Config) -> EvalPlan:
-    """A run's held-out evaluation: its environment's eval packs at its size and eval setting."""
+def run_eval_plans(cfg: Config) -> list[EvalPlan]:
+    """A run's held-out evaluation: each environment's eval packs at its size, in the run's eval
+    setting (one plan per environment: sizes may differ)."""
     rollout = cfg.rollout
-    return EvalPlan(
-        envs=(rollout.env,),
-        setting=rollout.eval_setting,
-        size=rollout.env_size,
-        packs=rollout.eval_packs,
-        tasks=rollout.tasks_per_pack,
-    )
+    return [
+        EvalPlan(
+            envs=(entry.name,),  # type: ignore[arg-type]
+            setting=rollout.eval_setting,
+            size=entry.size,  # type: ignore[arg-type]
+            packs=rollout.eval_packs,
+            tasks=rollout.tasks_per_pack,
+        )
+        for entry in rollout.environments
+    ]
 
 
 def run_eval_sampling(cfg: Config) -> dict[str, float | int]:
@@ -84,7 +88,7 @@ def eval_defaults(cfg: Config | None) -> dict:
             "seed": 0,
             "settings": DriverSettings(),
         }
-    plan = run_eval_plan(cfg)
+    plan = run_eval_plans(cfg)[0]  # a mixed-domain run: its first environment
     return {
         "env": plan.envs[0],
         "size": plan.size,

@@ -25,6 +25,10 @@ class PositionSummary:
     std_error: list[float] | None = None
     """Standard error of each position's mean over the packs (sample std / sqrt(n)); None for a
     curve that is not a mean over packs."""
+    gain_std_error: float | None = None
+    """Standard error of the CoD gain over the packs: sample std of each pack's own gain (last
+    position minus position 0) / sqrt(n). Smaller than the two positions' errors combined when a
+    pack's positions move together (a hard pack is hard at every position)."""
 
     @property
     def cod_gain(self) -> float:
@@ -37,6 +41,7 @@ class PositionSummary:
             "cod_gain": self.cod_gain,
             "num_packs": self.num_packs,
             "std_error": self.std_error,
+            "gain_std_error": self.gain_std_error,
         }
 
 
@@ -53,6 +58,11 @@ def summarize(
     n = len(rewards)
     mean = [sum(row[i] for row in rewards) / n for i in range(k)]
     var = [sum((row[i] - mean[i]) ** 2 for row in rewards) / max(n - 1, 1) for i in range(k)]
+    gain_std_error = None
+    if k:
+        gains = [row[-1] - row[0] for row in rewards]
+        gain = sum(gains) / n
+        gain_std_error = math.sqrt(sum((g - gain) ** 2 for g in gains) / max(n - 1, 1) / n)
     rate = None
     if successes and all(s is not None for row in successes for s in row):
         rate = [sum(bool(row[i]) for row in successes) / len(successes) for i in range(k)]
@@ -61,6 +71,7 @@ def summarize(
         success_rate=rate,
         num_packs=n,
         std_error=[math.sqrt(v / n) for v in var],
+        gain_std_error=gain_std_error,
     )
 
 

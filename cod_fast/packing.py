@@ -38,6 +38,8 @@ class Segment:
     """Sampler log-probs (roll_t)."""
     key: tuple = ()
     """Episode key + turn index."""
+    teacher_logp: list[float] | None = None
+    """The distillation teacher's log-probs of the response tokens (cod_fast.teachers)."""
 
     def __post_init__(self) -> None:
         if self.start < 1 or self.length < 1:
@@ -58,6 +60,8 @@ class Sequence:
 
     tokens: list[int]
     segments: list[Segment]
+    env: str = ""
+    """The environment of its episode (picks the distillation teacher)."""
 
     def __post_init__(self) -> None:
         end = 0
@@ -105,7 +109,9 @@ def episode_sequences(episode: Episode, merge_prefix: bool = True) -> list[Seque
             )
         )
         tokens.extend(turn.response_ids)
-    return [Sequence(tokens=tokens, segments=segments) for tokens, segments in layouts]
+    return [
+        Sequence(tokens=tokens, segments=segments, env=episode.env) for tokens, segments in layouts
+    ]
 
 
 def rollout_sequences(episodes: Iterable[Episode], merge_prefix: bool = True) -> list[Sequence]:
@@ -147,6 +153,8 @@ class MicroBatch:
     """[N] float32 from the trainer (algo.old_logp=recompute); None: old = rollout ("bypass")."""
     ref_logp: torch.Tensor | None = None
     """[N] float32 from the trainer's reference model when a KL term is on, else None."""
+    teacher_logp: torch.Tensor | None = None
+    """[N] float32 from the distillation teachers (`opd`), else None."""
 
     @property
     def num_tokens(self) -> int:
@@ -181,6 +189,11 @@ def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
     rollout_logp: list[float] = []
     lengths: list[int] = []
     keys: list[tuple] = []
+    segments = [seg for seq in sequences for seg in seq.segments]
+    scored = [seg.teacher_logp is not None for seg in segments]
+    if any(scored) and not all(scored):
+        raise ValueError("some segments have teacher log-probs and some not; score them all")
+    teacher: list[float] = [x for seg in segments for x in seg.teacher_logp or []]
     for seq in sequences:
         offset = len(tokens)
         tokens.extend(seq.tokens)
@@ -217,6 +230,7 @@ def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
         rollout_logp=f32(rollout_logp),
         segment_lengths=i64(lengths),
         segment_keys=keys,
+        teacher_logp=f32(teacher) if segments and all(scored) else None,
     )
 
 

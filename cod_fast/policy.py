@@ -57,6 +57,7 @@ class Policy(torch.nn.Module):
             old_logp=mb.old_logp,
             rollout_logp=mb.rollout_logp,
             ref_logp=mb.ref_logp,
+            teacher_logp=mb.teacher_logp,
             config=config,
             denominator=denominator,
             impl=self.impl,

@@ -33,6 +33,22 @@ def preflight(cfg: Config) -> None:
     world_size = _environment_int("WORLD_SIZE", 1)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
     _check_model_path(cfg.model.name_or_path)
+    for name, path in cfg.algo.teachers.items():
+        if not Path(path).exists():
+            raise ConfigError(
+                f"algo.teachers.{name}",
+                f"got {shown(path)} (no such folder); expected a teacher model folder: "
+                f"`cod-fast distill` trains and exports the teachers a config lacks, or write "
+                f"one with `cod-fast export TEACHER_RUN --out {clipped(path)}`",
+            )
+        _check_model_path(path, f"algo.teachers.{name}", builtin=False)
+    tokenizer = cfg.model.tokenizer_path
+    if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
+        raise ConfigError(
+            "model.tokenizer_path",
+            f"got {shown(tokenizer)}, not a folder with a tokenizer.json; expected a saved "
+            "tokenizer folder such as another run's tokenizer/",
+        )
     if cfg.train.init_from is not None and (problem := check_source(cfg.train.init_from)):
         raise ConfigError("train.init_from", problem)
     _check_device_dtype(cfg)
@@ -66,15 +82,17 @@ def _check_mesh(replicate: int, world_size: int) -> None:
         ) from None
 
 
-def _check_model_path(name: str) -> None:
+def _check_model_path(name: str, key: str = "model.name_or_path", builtin: bool = True) -> None:
     """Refuse a model that is meant as a local folder (an absolute or ./ path, a path with more
     parts than a hub id's owner/name, or anything that exists here) and is not a model folder.
-    A hub id is left alone: whether it exists is only known online."""
-    key, expected = "model.name_or_path", "a model folder with a config.json, a hub id (owner/name)"
-    if name == BUILTIN_TINY:
+    A hub id is left alone: whether it exists is only known online. `key` is the config field;
+    `builtin` whether the built-in model may be named there."""
+    expected = "a model folder with a config.json, a hub id (owner/name)"
+    if name == BUILTIN_TINY and builtin:
         return
     if name.startswith("builtin:"):
-        raise ConfigError(key, f"got {shown(name)}; the built-in model is {BUILTIN_TINY!r}")
+        fix = f"the built-in model is {BUILTIN_TINY!r}" if builtin else f"expected {expected}"
+        raise ConfigError(key, f"got {shown(name)}; {fix}")
     if name.startswith("~"):
         raise ConfigError(
             key, f"got {shown(name)}; transformers does not expand ~: write the path out in full"
@@ -85,7 +103,8 @@ def _check_model_path(name: str) -> None:
         return
     if not path.is_dir():
         what = "a file" if path.exists() else "no such folder"
-        raise ConfigError(key, f"got {shown(name)} ({what}); expected {expected} or {BUILTIN_TINY}")
+        alternative = f" or {BUILTIN_TINY}" if builtin else ""
+        raise ConfigError(key, f"got {shown(name)} ({what}); expected {expected}{alternative}")
     if not (path / "config.json").is_file():
         raise ConfigError(
             key, f"got {shown(name)}, a folder without config.json; expected {expected}"
@@ -138,9 +157,9 @@ def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
         return None
     if cfg.model.name_or_path != BUILTIN_TINY:
         return 1 + response, f"a prompt of at least 1 token + {response_parts}"
-    env = make_env(rollout.env, rollout.env_setting, rollout.env_size)
+    envs = [make_env(e.name, e.setting, e.size) for e in rollout.environments]  # type: ignore[arg-type]
     try:
-        tokenizer = run_tokenizer(cfg, env, DriverSettings.from_config(cfg), is_main=True)
+        tokenizer = run_tokenizer(cfg, envs, DriverSettings.from_config(cfg), is_main=True)
     except (OSError, ValueError) as e:  # an unwritable run folder, a damaged saved tokenizer
         folder = Path(cfg.runtime.run_dir) / "tokenizer"
         raise ConfigError(
@@ -149,9 +168,17 @@ def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
             "); repair or remove that folder, or set runtime.run_dir to a new one",
         ) from None
     pack = make_packs(pack_seeds(split, 1, train.seed), rollout.tasks_per_pack, strategy)[0]
-    task = env.task(pack.pack_seed, pack.task_indices[0])
-    system = PROMPT_STYLES[rollout.prompt_style].solve_system(
-        task.prompt(), context_line(None, first_task=True)
+    prompts = {}  # the longest first prompt over the run's environments
+    for env in envs:
+        task = env.task(pack.pack_seed, pack.task_indices[0])
+        system = PROMPT_STYLES[rollout.prompt_style].solve_system(
+            task.prompt(), context_line(None, first_task=True)
+        )
+        prompts[env.name] = len(ChatFormat(tokenizer).first_prompt(system, task.reset()))
+    name = max(prompts, key=prompts.__getitem__)
+    where = f" ({name})" if len(envs) > 1 else ""
+    prompt = prompts[name]
+    return (
+        prompt + response,
+        f"the first {phase} prompt's{where} {prompt} tokens + {response_parts}",
     )
-    prompt = len(ChatFormat(tokenizer).first_prompt(system, task.reset()))
-    return prompt + response, f"the first {phase} prompt's {prompt} tokens + {response_parts}"

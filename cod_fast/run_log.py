@@ -84,49 +84,69 @@ class RunLog:
             for name, value in record.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.writer.add_scalar(name, value, record["step"])
-                elif isinstance(value, list) and name == "reward_by_position":
+                elif isinstance(value, list) and name.endswith("reward_by_position"):
                     for k, v in enumerate(value):
-                        self.writer.add_scalar(f"reward_by_position/{k}", v, record["step"])
+                        self.writer.add_scalar(f"{name}/{k}", v, record["step"])
         if time.monotonic() - self.plotted_at >= PLOT_EVERY_S:
             self.plot()
 
-    def evaluation(self, label: str, step: int, summary: PositionSummary) -> None:
+    def evaluation(
+        self, label: str, step: int, summary: PositionSummary, env: str | None = None
+    ) -> None:
+        """Append one evaluation (of environment `env`, in a run with several)."""
         if not self.enabled:
             return
-        record = {"label": label, "step": step, **summary.to_dict()}
+        record = {"label": label, "step": step, "env": env, **summary.to_dict()}
         with self.eval_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
-            self.writer.add_scalar("eval/cod_gain", summary.cod_gain, step)
-            self.writer.add_scalar("eval/last_position", summary.mean_reward[-1], step)
+            tag = f"eval/{env}" if env else "eval"
+            self.writer.add_scalar(f"{tag}/cod_gain", summary.cod_gain, step)
+            self.writer.add_scalar(f"{tag}/last_position", summary.mean_reward[-1], step)
         self.plot()
 
     def evaluations(self) -> list[dict[str, Any]]:
         return _read_jsonl(self.eval_path)
 
     def plot(self) -> None:
-        """Reward by pack position: the mean of the last few training steps, and each eval."""
+        """Reward by pack position: the mean of the last few training steps, and each eval;
+        in a run with several environments also one plot per environment (`rewards-ENV.png`)."""
         self.plotted_at = time.monotonic()
-        curves: dict[str, PositionSummary] = {}
         steps = [r for r in _read_jsonl(self.metrics_path) if "reward_by_position" in r]
+        evals = self.evaluations()
+        envs = sorted({r["env"] for r in evals if r.get("env")})
+        self._plot(steps, evals, "", self.dir / "rewards.png")
+        for env in envs if len(envs) > 1 else []:
+            mine = [r for r in evals if r.get("env") == env]
+            self._plot(steps, mine, f"{env}/", self.dir / f"rewards-{env}.png")
+
+    @staticmethod
+    def _plot(steps: list[dict], evals: list[dict], prefix: str, path: Path) -> None:
+        curves: dict[str, PositionSummary] = {}
         # The latest phase only: warm-start steps show the scripted explorer, not the policy.
         phase = steps[-1].get("phase") if steps else None
-        recent = [r for r in steps if r.get("phase") == phase][-RECENT_STEPS:]
+        key = f"{prefix}reward_by_position"
+        recent = [r for r in steps if r.get("phase") == phase and r.get(key)][-RECENT_STEPS:]
         if recent:
-            rows = [r["reward_by_position"] for r in recent]
+            rows = [r[key] for r in recent]
             mean = [sum(col) / len(col) for col in zip(*rows, strict=True)]
             what = "warm-start demonstrations" if phase == "warm_start" else "training rollouts"
             label = f"{what}, steps {recent[0]['step']}-{recent[-1]['step']}"
             curves[label] = PositionSummary(mean_reward=mean, success_rate=None, num_packs=0)
-        for r in self.evaluations():
-            curves[f"eval: {r['label']} (step {r['step']})"] = PositionSummary(
+        several = len({r.get("env") for r in evals}) > 1
+        for r in evals:
+            where = f"{r['env']}, " if several else ""
+            curves[f"eval: {where}{r['label']} (step {r['step']})"] = PositionSummary(
                 mean_reward=r["mean_reward"],
                 success_rate=None,
                 num_packs=r["num_packs"],
                 std_error=r.get("std_error"),  # absent in runs written before it existed
             )
         if curves and all(not any(map(math.isnan, c.mean_reward)) for c in curves.values()):
-            plot_positions(curves, self.dir / "rewards.png", "reward by pack position")
+            title = (
+                f"reward by pack position ({prefix[:-1]})" if prefix else "reward by pack position"
+            )
+            plot_positions(curves, path, title)
 
     def close(self) -> None:
         if self.enabled:

@@ -20,6 +20,7 @@ derive from the step, so a resumed run repeats the uninterrupted one exactly on 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import time
@@ -58,20 +59,21 @@ from cod_fast.distributed import (
     shard_policy,
 )
 from cod_fast.envs import make_env
-from cod_fast.envs.packs import make_packs, pack_seeds
-from cod_fast.evaluate import evaluate, run_eval_plan, run_eval_sampling, run_eval_settings
+from cod_fast.envs.packs import PackSpec, draw_env, make_packs, pack_seeds
+from cod_fast.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
 from cod_fast.init_from import initial_weights
 from cod_fast.metrics import summarize_rollouts
 from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
 from cod_fast.ops.loss_terms import SAMPLER_GAP
-from cod_fast.packing import MicroBatch, pack_microbatches, rollout_sequences, step_totals
+from cod_fast.packing import MicroBatch, balance, build_microbatch, rollout_sequences, step_totals
 from cod_fast.policy import Policy
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import build_samplers
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.run_log import RunLog
+from cod_fast.teachers import Teachers
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
 from cod_fast.warmstart import SFT_LOSS, demonstrations, run_tokenizer
 
@@ -95,14 +97,18 @@ class Update:
     skipped: int = 0
     """Optimizer steps skipped for a NaN/inf loss or gradient (nothing updated)."""
     error: str = ""
+    teacher: list[dict[str, float]] = field(default_factory=list)
+    """The teachers' metrics of each mini-batch (cod_fast.teachers.Teachers.score)."""
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
-    """Per-position reward, CoD gain, success, hint validity and response lengths of a batch."""
+def _episode_metrics(rollouts: list[Rollout], envs: list[str]) -> dict[str, Any]:
+    """Per-position reward, CoD gain, success, hint validity and response lengths of a batch;
+    in a mixed-domain run also reward by position, CoD gain and mean reward per environment
+    (`ENV/reward_by_position`, ...; null for an environment without a pack this step)."""
     summary = summarize_rollouts(rollouts)
     episodes = [e for r in rollouts for e in r.episodes]
     updates = [e for e in episodes if e.kind == "update"]
@@ -118,6 +124,20 @@ def _episode_metrics(rollouts: list[Rollout]) -> dict[str, Any]:
         out["success_rate"] = _mean(summary.success_rate)
     if updates:
         out["hint_valid_frac"] = _mean([float(e.info.get("hints") is not None) for e in updates])
+    for env in envs if len(envs) > 1 else []:
+        mine = [r for r in rollouts if r.env == env]
+        part = summarize_rollouts(mine)
+        out[f"{env}/reward_by_position"] = part.mean_reward or None
+        out[f"{env}/cod_gain"] = part.cod_gain if mine else None
+        out[f"{env}/reward_mean"] = _mean([x for r in mine for x in r.task_rewards])
+    return out
+
+
+def _teacher_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The teachers' metrics of a step: gaps averaged over its mini-batches, seconds summed."""
+    out = {k: _mean([p[k] for p in parts if k in p]) for k in {k for p in parts for k in p}}
+    if parts:
+        out["teacher_s"] = sum(p["teacher_s"] for p in parts)
     return out
 
 
@@ -132,19 +152,25 @@ class Trainer:
         self.log = RunLog(
             self.run_dir, enabled=self.ctx.is_main, tensorboard=cfg.runtime.tensorboard
         )
-        self.env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
+        self.mix = cfg.rollout.environments
+        self.envs = [make_env(e.name, e.setting, e.size) for e in self.mix]  # type: ignore[arg-type]
         self.settings = DriverSettings.from_config(cfg)
         self.warm_steps = cfg.train.warm_start_steps
         self.total_steps = self.warm_steps + cfg.train.steps
         torch.manual_seed(cfg.train.seed)
-        self.tokenizer = run_tokenizer(cfg, self.env, self.settings, self.ctx.is_main)
+        self.tokenizer = run_tokenizer(cfg, self.envs, self.settings, self.ctx.is_main)
         model, self.tokenizer = self._load_model()
         self.chat = ChatFormat(self.tokenizer)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
         self.samplers = build_samplers(cfg, model, self.tokenizer, self.ctx, run_eval_sampling(cfg))
         self.sampler = self.samplers.train
         self.policy = shard_policy(Policy(model, self.impl), self.ctx)
-        self.driver = RolloutDriver(self.env, self.sampler, self.chat, self.settings)
+        self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
+        self.teachers = (
+            Teachers(cfg.algo.teachers, cfg.model, self.device, self.tokenizer, self.impl)
+            if cfg.algo.teachers
+            else None
+        )
         self.optimizer = self._optimizer(warm=self.warm_steps > 0)
         self.reference: Policy | None = None
         self.step = 0
@@ -278,11 +304,12 @@ class Trainer:
         record: dict[str, Any] = {
             "step": self.step,
             "phase": "warm_start" if warm else "rl",
-            **_episode_metrics(rollouts),
+            **_episode_metrics(rollouts, [e.name for e in self.mix]),
             **extra,
             "loss": _mean([s.loss for s in update.steps]),
             "grad_norm": last.grad_norm if last else float("nan"),
             **metrics,
+            **_teacher_metrics(update.teacher),
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens": update.tokens,
             "trainable_tokens": sum(s.trainable_tokens for s in update.steps),
@@ -305,9 +332,22 @@ class Trainer:
         this rank's share; every member of a pack stays on one rank."""
         rollout, train = self.cfg.rollout, self.cfg.train
         count = rollout.packs_per_step
-        seeds = pack_seeds("train", count, train.seed, start=(self.step - self.warm_steps) * count)
+        start = (self.step - self.warm_steps) * count
+        seeds = pack_seeds("train", count, train.seed, start=start)
         packs = make_packs(seeds, rollout.tasks_per_pack, rollout.strategy)
-        return packs[self.ctx.rank :: self.ctx.world_size]
+        return self._mixed(packs, "train", start)[self.ctx.rank :: self.ctx.world_size]
+
+    def _mixed(self, packs: list[PackSpec], split: str, start: int) -> list[PackSpec]:
+        """Each pack given its environment, drawn by weight from the split and the pack's index
+        in the run (so a resumed run draws the same)."""
+        names = [e.name for e in self.mix]
+        weights = [e.weight for e in self.mix]
+        return [
+            dataclasses.replace(
+                spec, env=draw_env(names, weights, split, self.cfg.train.seed, start + i)
+            )
+            for i, spec in enumerate(packs)
+        ]
 
     def _demonstrations(self) -> list[Rollout]:
         """The explorer through this warm-start step's packs; every rank makes them all (it is
@@ -315,25 +355,33 @@ class Trainer:
         train = self.cfg.train
         count = train.warm_start_packs
         seeds = pack_seeds("warm", count, train.seed, start=self.step * count)
-        packs = make_packs(seeds, self.cfg.rollout.tasks_per_pack)
+        packs = self._mixed(
+            make_packs(seeds, self.cfg.rollout.tasks_per_pack), "warm", self.step * count
+        )
         return demonstrations(
-            self.env, self.chat, self.settings, packs, hint_noise=train.warm_start_hint_noise
+            self.envs, self.chat, self.settings, packs, hint_noise=train.warm_start_hint_noise
         )
 
     def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> Update:
         """Optimizer steps over the batch, split into `mini_batches` of whole rollouts."""
         budget, world = self.cfg.train.token_budget, self.ctx.world_size
         size = math.ceil(len(rollouts) / mini_batches)
-        plans = []
+        plans, update = [], Update()
         for start in range(0, len(rollouts), size):
             episodes = [e for r in rollouts[start : start + size] for e in r.episodes]
-            batches = pack_microbatches(rollout_sequences(episodes), budget, world)
+            sequences = rollout_sequences(episodes)
+            layout = balance([len(seq) for seq in sequences], budget, world)
+            if self.teachers is not None and loss is not SFT_LOSS:  # this rank's sequences
+                mine = [sequences[i] for mb in layout[self.ctx.rank] for i in mb]
+                update.teacher.append(self.teachers.score(mine, loss, budget))
+            batches = [
+                [build_microbatch([sequences[i] for i in mb]) for mb in rank] for rank in layout
+            ]
             packed = sum(mb.num_tokens for rank in batches for mb in rank)
             plans.append((batches[self.ctx.rank], step_totals(batches), packed))
         if loss is not SFT_LOSS:
             for mbs, _, _ in plans:  # all before the first update: the policy that sampled
                 self._fill_logprobs(mbs, loss)
-        update = Update()
         for mbs, (tokens, segments), packed in plans:
             update.tokens += packed
             try:
@@ -391,21 +439,24 @@ class Trainer:
         self.reference.eval().requires_grad_(False)
 
     def _evaluate(self, label: str) -> None:
-        """Held-out eval packs on the main rank, always with the same sampling noise: the CoD
-        protocol, and for a task-by-task run also its own mode (null hints at every task),
-        logged as `LABEL (own mode)`."""
+        """Held-out eval packs of each environment on the main rank, each from the same sampling
+        noise (a mixed run's evaluation of an environment is what a run on that environment
+        alone with the same seed would see): the CoD protocol, and for a task-by-task run also
+        its own mode (null hints at every task), logged as `LABEL (own mode)`."""
         cfg = self.cfg
         if cfg.rollout.eval_packs == 0:
             return
         if self.ctx.is_main:
-            plan, modes = run_eval_plan(cfg), {label: run_eval_settings(cfg)}
+            modes = {label: run_eval_settings(cfg)}
             if self.settings.mode != "cod":
                 modes[f"{label} (own mode)"] = self.settings
             for name, settings in modes.items():
-                stream = self.samplers.eval.state_dict()
-                report = evaluate(self.samplers.eval, self.chat, plan, settings)
-                self.samplers.eval.load_state_dict(stream)
-                self.log.evaluation(name, self.step, report["summaries"][cfg.rollout.env]["cod"])
+                for plan in run_eval_plans(cfg):
+                    stream = self.samplers.eval.state_dict()
+                    report = evaluate(self.samplers.eval, self.chat, plan, settings)
+                    self.samplers.eval.load_state_dict(stream)
+                    (env,) = plan.envs
+                    self.log.evaluation(name, self.step, report["summaries"][env]["cod"], env=env)
         barrier(self.ctx)
 
     def _checkpoint(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
@@ -53,14 +53,14 @@ class ScriptedDriver(RolloutDriver):
 
     def __init__(
         self,
-        env: Environment,
+        env: Environment | Sequence[Environment],
         chat: ChatFormat,
         settings: DriverSettings,
         agent_factory: Callable[[], Agent] | None = None,
         hint_noise: float = 0.0,
     ):
         super().__init__(env, sampler=None, chat=chat, settings=settings)  # type: ignore[arg-type]
-        self.make_agent = agent_factory or env.explorer
+        self.agent_factory = agent_factory
         self.agents: dict[tuple[int, int], Agent] = {}
         self.hint_noise = hint_noise
         self.written: dict[int, str] = {}  # pack id -> the latest hints its agent wrote
@@ -78,8 +78,9 @@ class ScriptedDriver(RolloutDriver):
                 self._hints(run, self.agents[key].write_hints(run.task, run.shown_hints))
             )
         if not run.turns:  # the first response of a solve episode
-            if run.position == 0:
-                self.agents[key] = self.make_agent()
+            if run.position == 0:  # the explorer of the pack's environment, unless given one
+                make = self.agent_factory or self.env_of(run.spec).explorer
+                self.agents[key] = make()
             self.agents[key].start(run.task, run.shown_hints)
         return self.agents[key].act(run.observation)
 
@@ -96,7 +97,7 @@ class ScriptedDriver(RolloutDriver):
 
 
 def demonstrations(
-    env: Environment,
+    env: Environment | Sequence[Environment],
     chat: ChatFormat,
     settings: DriverSettings,
     packs: list[PackSpec],
@@ -127,27 +128,30 @@ CORPUS_PACKS = 64
 
 
 def environment_tokenizer(
-    env: Environment, settings: DriverSettings, vocab_size: int, seed: int
+    env: Environment | Sequence[Environment], settings: DriverSettings, vocab_size: int, seed: int
 ) -> PreTrainedTokenizerBase:
     """A byte-pair vocabulary of at most `vocab_size` tokens trained on the scripted explorer's
-    transcripts of `env` (CORPUS_PACKS packs), with the hint markers as whole tokens: what the
-    built-in model's `bpe` tokenizer is. Deterministic given `seed`."""
+    transcripts of `env` (CORPUS_PACKS packs of each environment, when several), with the hint
+    markers as whole tokens: what the built-in model's `bpe` tokenizer is. Deterministic given
+    `seed`."""
     chat = ChatFormat(char_tokenizer(CHATML))
-    packs = make_packs(pack_seeds("corpus", CORPUS_PACKS, seed), 4)
     # Token caps are meant for the trained vocabulary, not for characters: lift them, or the
     # corpus would lack the ends of responses and hints.
     uncapped = dataclasses.replace(settings, max_response_tokens=10**6, max_hint_tokens=10**6)
-    corpus = transcripts(demonstrations(env, chat, uncapped, packs), chat)
+    corpus = []
+    for one in [env] if isinstance(env, Environment) else env:
+        packs = make_packs(pack_seeds("corpus", CORPUS_PACKS, seed), 4)
+        corpus += transcripts(demonstrations(one, chat, uncapped, packs), chat)
     return bpe_tokenizer(corpus, vocab_size, whole=[HINT_START, HINT_END])
 
 
 def run_tokenizer(
-    cfg: Config, env: Environment, settings: DriverSettings, is_main: bool
+    cfg: Config, env: Environment | Sequence[Environment], settings: DriverSettings, is_main: bool
 ) -> PreTrainedTokenizerBase | None:
     """The built-in model's tokenizer for a run (None for a Hugging Face model, which has its
-    own). A `bpe` vocabulary is trained once per run (or taken from `train.init_from`) and kept
-    in the run directory, where a resumed run and `cod-fast export` find it; only the main
-    process writes it."""
+    own). A `bpe` vocabulary is trained once per run on all its environments (or taken from
+    `model.tokenizer_path`, else `train.init_from`) and kept in the run directory, where a
+    resumed run and `cod-fast export` find it; only the main process writes it."""
     if cfg.model.name_or_path != BUILTIN_TINY:
         return None
     if cfg.model.tokenizer == "char":
@@ -155,7 +159,9 @@ def run_tokenizer(
     saved = Path(cfg.runtime.run_dir) / "tokenizer"
     if saved.exists():
         return load_saved_tokenizer(saved)
-    if cfg.train.init_from is not None:  # the vocabulary the starting weights were trained with
+    if cfg.model.tokenizer_path is not None:
+        tokenizer = load_saved_tokenizer(Path(cfg.model.tokenizer_path))
+    elif cfg.train.init_from is not None:  # the vocabulary the starting weights were trained with
         tokenizer = load_saved_tokenizer(tokenizer_folder(cfg.train.init_from))
     else:
         tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)

@@ -287,11 +287,61 @@ def test_red_weight_defaults_by_algorithm_and_shows_its_effective_value():
         assert from_dict(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
 
 
-def test_opd_is_refused_for_runs_until_teachers_exist():
-    """A run config with the distillation loss is refused before any compute, naming why; the
-    loss config alone (library use, teacher log-probs passed by hand) still builds."""
-    assert "teachers' log-probs" in _error(["algo.loss.policy=opd"])
-    assert LossConfig(policy="opd").policy == "opd"
+def test_opd_and_teachers_come_together():
+    """`opd` without teachers, teachers without `opd`, an environment without a teacher, a
+    teacher for an environment the run does not roll out, and an empty path are each refused
+    naming algo.teachers; a teacher per environment passes and round-trips through YAML."""
+    assert "got none with algo.loss.policy='opd'" in _error(["algo.loss.policy=opd"])
+    assert "expected algo.loss.policy='opd'" in _error(["algo.teachers={frozenlake: t}"])
+    mixed = ["rollout.env=null", "rollout.envs=[{name: frozenlake}, {name: terminal}]"]
+    opd = [*mixed, "algo.loss.policy=opd"]
+    assert "no teacher for terminal" in _error([*opd, "algo.teachers={frozenlake: a}"])
+    unused = _error(["algo.loss.policy=opd", "algo.teachers={frozenlake: a, alchemy: b}"])
+    assert "teachers for alchemy, which the run does not roll out" in unused
+    assert "empty path for terminal" in _error(
+        [*opd, "algo.teachers={frozenlake: a, terminal: ' '}"]
+    )
+    cfg = load_config(overrides=[*opd, "algo.teachers={frozenlake: a, terminal: b}"])
+    assert cfg.algo.teachers == {"frozenlake": "a", "terminal": "b"}
+    assert from_dict(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
+    assert LossConfig(policy="opd").policy == "opd"  # the loss alone (library use) builds
+
+
+def test_mixed_environments_resolve_and_validate():
+    """`rollout.envs` lists several environments (size and setting default to the rollout's),
+    a single `env` is a one-item list, and each mistake names its field: `env` and `envs` both
+    set, neither, an entry without a name, a repeated name, a weight <= 0, an unknown key."""
+    single = load_config()
+    assert [(e.name, e.weight, e.size, e.setting) for e in single.rollout.environments] == [
+        ("frozenlake", 1.0, "tiny", "train")
+    ]
+    cfg = load_config(
+        overrides=[
+            "rollout.env=null",
+            "rollout.envs=[{name: terminal, weight: 3}, {name: alchemy, size: full}]",
+        ]
+    )
+    assert [(e.name, e.weight, e.size) for e in cfg.rollout.environments] == [
+        ("terminal", 3.0, "tiny"),
+        ("alchemy", 1.0, "full"),
+    ]
+    assert from_dict(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
+    assert "rollout.env: got 'frozenlake'; expected null" in _error(
+        ["rollout.envs=[{name: terminal}]"]
+    )
+    assert "rollout.env: got None" in _error(["rollout.env=null"])
+    off = ["rollout.env=null"]
+    assert "rollout.envs[1].name: got None" in _error(
+        [*off, "rollout.envs=[{name: terminal}, {weight: 2}]"]
+    )
+    assert "repeated: ['pde']" in _error([*off, "rollout.envs=[{name: pde}, {name: pde}]"])
+    assert "rollout.envs[0].weight: got 0" in _error(
+        [*off, "rollout.envs=[{name: pde, weight: 0}]"]
+    )
+    assert "rollout.envs[0].colour: unknown key" in _error(
+        [*off, "rollout.envs=[{name: pde, colour: 1}]"]
+    )
+    assert "expected a list of" in _error([*off, "rollout.envs=pde"])
 
 
 def test_response_caps_of_rollout_and_loss_must_agree():

@@ -9,6 +9,7 @@ checkpoint and never overlap the training packs.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,11 +26,22 @@ class PackSpec:
     pack_id: int
     pack_seed: int
     task_indices: tuple[int, ...]
+    env: str | None = None
+    """The pack's environment in a mixed-domain run (None: the driver's only one)."""
 
 
 def pack_seeds(split: str, count: int, base_seed: int = 0, start: int = 0) -> list[int]:
     """Seeds of packs start..start+count-1 of a split ('train', 'eval', ...)."""
     return [derive_seed("pack", split, base_seed, i) for i in range(start, start + count)]
+
+
+def draw_env(names: list[str], weights: list[float], split: str, base_seed: int, index: int) -> str:
+    """The environment of pack `index` of a split in a mixed-domain run: drawn with
+    probability weight / sum(weights), from (split, base seed, index) alone."""
+    if len(names) == 1:
+        return names[0]
+    rng = random.Random(f"env-mix/{split}/{base_seed}/{index}")
+    return rng.choices(names, weights)[0]
 
 
 def make_packs(seeds: list[int], num_tasks: int, strategy: Strategy = "cod") -> list[PackSpec]:

@@ -23,6 +23,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -173,12 +174,37 @@ class RunState:
 
 
 class RolloutDriver:
+    """Rolls out packs of one environment, or of several (`env` a sequence; each PackSpec then
+    names its environment), all in the same batched sampler calls."""
+
     def __init__(
-        self, env: Environment, sampler: Sampler, chat: ChatFormat, settings: DriverSettings
+        self,
+        env: Environment | Sequence[Environment],
+        sampler: Sampler,
+        chat: ChatFormat,
+        settings: DriverSettings,
     ):
-        self.env, self.sampler, self.chat, self.settings = env, sampler, chat, settings
+        envs = [env] if isinstance(env, Environment) else list(env)
+        self.envs = {e.name: e for e in envs}
+        self.env = envs[0]
+        self.sampler, self.chat, self.settings = sampler, chat, settings
         self.prompts = PROMPT_STYLES[settings.prompt_style]
         self._worker = _EnvWorker()
+
+    def env_of(self, spec: PackSpec) -> Environment:
+        """The environment a pack is played in."""
+        if spec.env is None:
+            if len(self.envs) > 1:
+                raise ValueError(
+                    f"pack {spec.pack_id} names no environment; this driver has several"
+                )
+            return self.env
+        if spec.env not in self.envs:
+            raise ValueError(
+                f"pack {spec.pack_id} is of environment {spec.env!r}; this driver has "
+                f"{', '.join(self.envs)}"
+            )
+        return self.envs[spec.env]
 
     def run(self, packs: list[PackSpec], group_size: int) -> list[Rollout]:
         """Roll out every pack `group_size` times; one Rollout per (pack, member)."""
@@ -195,7 +221,7 @@ class RolloutDriver:
             Rollout(
                 pack_id=run.spec.pack_id,
                 member=run.member,
-                env=self.env.name,
+                env=self.env_of(run.spec).name,
                 episodes=run.episodes,
             )
             for run in runs
@@ -210,7 +236,9 @@ class RolloutDriver:
     # --- solve-task episodes -------------------------------------------------------------------
 
     def _start_solve(self, run: RunState) -> None:
-        run.task = self.env.task(run.spec.pack_seed, run.spec.task_indices[run.position])
+        run.task = self.env_of(run.spec).task(
+            run.spec.pack_seed, run.spec.task_indices[run.position]
+        )
         run.turns, run.steps, run.error = [], [], None
         first = run.position == 0 or self.settings.mode == "task_by_task"
         run.shown_hints = None if first else run.hints
@@ -291,7 +319,7 @@ class RolloutDriver:
             task_prompt=run.task.prompt(),
             steps=run.steps,
             feedback=feedback,
-            reward=reward if self.env.reveals_reward else None,
+            reward=reward if self.env_of(run.spec).reveals_reward else None,
         )
         context = context_line(run.hints, run.position == 0)
         run.prompt_ids = self.chat.first_prompt(
@@ -329,6 +357,6 @@ class RolloutDriver:
             task_index=run.position,
             turns=run.turns,
             reward=reward,
-            env=self.env.name,
+            env=self.env_of(run.spec).name,
             info=info,
         )

@@ -1,0 +1,228 @@
+"""The cross-domain matrix (`cod-fast eval --matrix`): models x environments x pack strategies,
+one JSON and one heatmap.
+
+Each model plays as `cod-fast eval --model` plays it (`load_player`, the one code path of both):
+a folder written by `cod-fast export` with its run's own evaluation (eval setting, size, packs,
+prompt style, token caps, temperature, seed); a run directory of `cod-fast train`, exported to a
+temporary folder first and then the same; any other Hugging Face causal LM with fixed defaults.
+Only the environment and the pack strategy vary along a row. Every cell starts from the model's
+fresh eval sampling stream, so a cell is what `cod-fast eval --model M --env E` reports for it
+(one strategy), and a run's cell of any of its environments is that run's own evaluation (as
+the trainer evaluates each environment of a mixed run from the same stream). The heatmap shows per cell the CoD gain (SPEC.md section 6, Metrics) and the
+reward at the last position, each with one standard error over packs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from cod_fast.config import ModelConfig
+from cod_fast.envs import env_class, make_env
+from cod_fast.envs.packs import STRATEGIES
+from cod_fast.evaluate import EvalPlan, eval_defaults, evaluate
+from cod_fast.export import export_model, read_run_config
+from cod_fast.metrics import PositionSummary
+from cod_fast.model import load_policy
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.torch_sampler import TorchSampler
+
+Log = Callable[[str], None]
+
+
+def is_run_dir(path: Path) -> bool:
+    """A run directory of `cod-fast train` (not a model folder): its config and checkpoints."""
+    return (path / "config.yaml").is_file() and (path / "checkpoints").is_dir()
+
+
+@contextmanager
+def _model_folder(model: Path) -> Iterator[Path]:
+    """`model`, or for a run directory its latest checkpoint exported to a temporary folder
+    (removed once the model is loaded: the weights then live in memory)."""
+    if not is_run_dir(model):
+        yield model
+        return
+    with tempfile.TemporaryDirectory(prefix="cod-fast-export-") as tmp:
+        export_model(model, tmp)
+        yield Path(tmp)
+
+
+def load_player(
+    model: str | Path, flags: dict | None = None, log: Log | None = None
+) -> tuple[dict, TorchSampler, ChatFormat]:
+    """(options, sampler, chat format) for playing `model`: a run's model (exported, or its run
+    directory) as its run evaluated, any other model with `eval_defaults(None)`. `flags` (keys
+    of those options; None: not given) override them; `log` hears of each override of a run's
+    own value. Raises ValueError for an unknown flag or environment name before the model loads."""
+    model = Path(model)
+    with _model_folder(model) as folder:
+        run = read_run_config(folder)
+        base = eval_defaults(run)
+        given = {k: v for k, v in (flags or {}).items() if v is not None}
+        unknown = set(given) - (base.keys() - {"settings"})
+        if unknown:
+            raise ValueError(f"unknown play options {sorted(unknown)}")
+        if run is not None and log is not None:
+            for key, value in given.items():
+                if value != base[key]:
+                    log(f"overriding the run's {key}={base[key]!r} with {value!r}")
+        o = base | given
+        make_env(o["env"], o["setting"], o["size"])  # a bad name or size fails before loading
+        o["settings"] = dataclasses.replace(
+            o["settings"], max_response_tokens=o["max_response_tokens"]
+        )
+        model_cfg = ModelConfig() if run is None else run.model
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        policy, tokenizer = load_policy(
+            dataclasses.replace(model_cfg, name_or_path=str(folder)), device
+        )
+    sampler = TorchSampler(
+        policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
+    )
+    return o, sampler, ChatFormat(tokenizer)
+
+
+def model_labels(models: Sequence[str | Path]) -> list[str]:
+    """Each model's folder name, with as many parent folders as it takes to tell them apart."""
+    parts = [Path(m).resolve().parts for m in models]
+    for depth in range(1, max(map(len, parts), default=0) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    raise ValueError(f"a model is given twice: {', '.join(map(str, models))}")
+
+
+def _cell(model: str, env: str, strategy: str, summary: PositionSummary) -> dict:
+    return {
+        "model": model,
+        "env": env,
+        "strategy": strategy,
+        "mean_reward": summary.mean_reward,
+        "std_error": summary.std_error,
+        "cod_gain": summary.cod_gain,
+        "cod_gain_se": summary.gain_std_error,
+        "last_reward": summary.mean_reward[-1],
+        "last_reward_se": summary.std_error[-1],
+        "num_packs": summary.num_packs,
+    }
+
+
+def _check_columns(envs: Sequence[str], strategies: Sequence[str]) -> None:
+    for kind, names in (("environment", envs), ("strategy", strategies)):
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"the matrix needs distinct {kind} names, got {list(names)}")
+    for name in envs:
+        env_class(name)  # ValueError naming the known environments
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ValueError(f"unknown pack strategy {unknown}; choose from {', '.join(STRATEGIES)}")
+
+
+def evaluate_matrix(
+    models: Sequence[str | Path],
+    envs: Sequence[str],
+    strategies: Sequence[str] = STRATEGIES,
+    packs: int | None = None,
+    tasks: int | None = None,
+    out_dir: str | Path | None = None,
+    *,
+    log: Log | None = None,
+    **flags,
+) -> dict:
+    """Evaluate every model on every (environment, strategy); returns the matrix (written as
+    matrix.json with matrix.png when `out_dir` is given). `packs`, `tasks` and `flags` (other
+    play options: size, setting, max_response_tokens, temperature, top_p, seed; None: each
+    model's own) apply to every model; the environments are the columns, never a flag."""
+    if "env" in flags:
+        raise ValueError("the matrix's environments are its columns: pass them as `envs`")
+    _check_columns(envs, strategies)
+    labels = model_labels(models)  # before any loading: a model given twice fails at once
+    flags = {**flags, "packs": packs, "tasks": tasks}
+    rows, cells = [], []
+    for i, (label, model) in enumerate(zip(labels, models, strict=True)):
+        if log is not None:
+            log(f"model {i + 1}/{len(labels)}: {label} ({model})")
+        o, sampler, chat = load_player(model, flags, log)
+        if o["packs"] < 1:  # a run may evaluate no packs (rollout.eval_packs=0)
+            raise ValueError(f"{label} would play {o['packs']} packs; give packs >= 1")
+        stream = sampler.state_dict()
+        for env in envs:
+            for strategy in strategies:
+                plan = EvalPlan(
+                    (env,), (strategy,), o["setting"], o["size"], o["packs"], o["tasks"]
+                )
+                sampler.load_state_dict(stream)  # every cell from the model's fresh eval stream
+                summary = evaluate(sampler, chat, plan, o["settings"])["summaries"][env][strategy]
+                cells.append(_cell(label, env, strategy, summary))
+        played = {k: v for k, v in o.items() if k not in ("env", "settings")}
+        settings = dataclasses.asdict(o["settings"])
+        rows.append({"label": label, "path": str(model), **played, "settings": settings})
+    matrix = {"models": rows, "envs": list(envs), "strategies": list(strategies), "cells": cells}
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        _write_atomic(out / "matrix.json", json.dumps(matrix, indent=2).encode())
+        plot_matrix(matrix, out / "matrix.png")
+    return matrix
+
+
+def plot_matrix(matrix: dict, path: str | Path) -> Path:
+    """Two heatmaps side by side, models by `env/strategy`: the CoD gain (diverging colours,
+    white at 0) and the reward at the last position; each cell reads "value ± se"."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training machines
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import Normalize
+
+    models = [m["label"] for m in matrix["models"]]
+    columns = [(e, s) for e in matrix["envs"] for s in matrix["strategies"]]
+    cells = {(c["model"], c["env"], c["strategy"]): c for c in matrix["cells"]}
+
+    def grid(key: str) -> np.ndarray:
+        return np.array([[cells[(m, *col)][key] for col in columns] for m in models], dtype=float)
+
+    gain, last = grid("cod_gain"), grid("last_reward")
+    half = float(np.abs(gain).max()) or 1.0  # a symmetric range puts 0 at the middle colour
+    panels = (
+        ("CoD gain (last position - position 0)", gain, grid("cod_gain_se"), "RdBu", -half, half),
+        ("mean reward at the last position", last, grid("last_reward_se"), "viridis", None, None),
+    )
+    width, height = 2 + 0.85 * len(columns), 2.2 + 0.5 * len(models)
+    fig, axes = plt.subplots(1, 2, figsize=(2 * width, height), dpi=120, layout="constrained")
+    for ax, (title, values, errors, cmap, vmin, vmax) in zip(axes, panels, strict=True):
+        norm = Normalize(vmin, vmax)
+        image = ax.imshow(values, cmap=cmap, norm=norm, aspect="auto")
+        fig.colorbar(image, ax=ax, shrink=0.9)
+        ax.set_xticks(range(len(columns)), [f"{e}/{s}" for e, s in columns], rotation=30)
+        ax.set_yticks(range(len(models)), models)
+        ax.tick_params(labelsize=8)
+        ax.set_title(title, fontsize=10)
+        for (i, j), value in np.ndenumerate(values):
+            r, g, b, _ = image.cmap(norm(value))
+            dark = 0.299 * r + 0.587 * g + 0.114 * b < 0.5  # white text on a dark cell
+            text = f"{value:.3f}\n± {errors[i, j]:.3f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=7, color="w" if dark else "k")
+    fig.suptitle("cross-domain matrix (± one standard error over packs)", fontsize=11)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    plt.close(fig)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, png.getvalue())
+    return path
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """A temporary file renamed into place: a reader never sees half a file."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
