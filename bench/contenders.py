@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SEED = 1234
-CONTENDERS = ("eager", "torch", "cpp", "triton", "liger", "liger-compiled", "cce")
+CONTENDERS = ("eager", "torch", "cpp", "cpp-fixed64", "triton", "liger", "liger-compiled", "cce")
 # Logits one chunk of the rollout-log-prob pre-pass may hold: small, so that the pre-pass (run
 # after the memory baseline, like everything that touches the inputs) never sets the peak.
 _REF_CHUNK_BYTES = 16 * 2**20
@@ -40,6 +40,12 @@ CASES = {
     "cod-packed": Case(seq_lens=(4800, 5000, 5200), hidden=1024, vocab=32768, trainable=0.3),
     # Qwen2.5-0.5B's head: H = 896, V = 151936; N = 2048.
     "wide-vocab": Case(seq_lens=(1024,) * 2, hidden=896, vocab=151936),
+    # Small packed batches, 30% trainable, where fixed buffers would dominate: 2k to 6k packed
+    # tokens, vocabularies 16k (small tokenizers), 32k (Llama-2/Mistral) and 152k (Qwen).
+    "packed-2k-v16k": Case(seq_lens=(640, 700, 708), hidden=1024, vocab=16384, trainable=0.3),
+    "packed-6k-v32k": Case(seq_lens=(1900, 2100, 2144), hidden=1024, vocab=32768, trainable=0.3),
+    "packed-2k-v152k": Case(seq_lens=(640, 700, 708), hidden=896, vocab=151936, trainable=0.3),
+    "packed-4k-v152k": Case(seq_lens=(1300, 1400, 1396), hidden=896, vocab=151936, trainable=0.3),
     # An 8B-class head on a GPU: N = 16384, H = 4096, V = 151936, bf16.
     "h100": Case(seq_lens=(1024,) * 16, hidden=4096, vocab=151936, gpu_only=True),
     # Smoke test only (tests/test_bench.py): seconds, not a measurement.
@@ -198,8 +204,13 @@ def make_step(contender: str):
 
         return "full", step
 
-    if contender in ("torch", "cpp", "triton"):
+    if contender in ("torch", "cpp", "cpp-fixed64", "triton"):
+        from cod_fast.ops import chunked
         from cod_fast.ops.linear_loss import linear_policy_loss
+
+        if contender == "cpp-fixed64":  # the chunk rule before shape-sized chunks: 64 MiB each
+            chunked.CHUNK_SHARE = 1.0
+        impl = contender.removesuffix("-fixed64")
 
         def step(x: Inputs):
             out = linear_policy_loss(
@@ -210,7 +221,7 @@ def make_step(contender: str):
                 x.segment_ids,
                 rollout_logp=x.rollout_logp,
                 config=cfg,
-                impl=contender,
+                impl=impl,
             )
             out.loss.backward()
             return out.loss

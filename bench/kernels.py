@@ -44,7 +44,16 @@ from typing import Any
 
 from cod_fast.bench.contenders import CASES, CONTENDERS, SEED, Inputs, make_inputs, make_step
 
-DEFAULT_CASES = ("dense", "cod-packed", "wide-vocab", "h100")
+DEFAULT_CASES = (
+    "dense",
+    "cod-packed",
+    "wide-vocab",
+    "packed-2k-v16k",
+    "packed-6k-v32k",
+    "packed-2k-v152k",
+    "packed-4k-v152k",
+    "h100",
+)
 CSV_COLUMNS = (
     "timestamp",
     "commit",
@@ -60,15 +69,25 @@ CSV_COLUMNS = (
     "p20_s",
     "p80_s",
     "peak_mib",
+    "live_peak_mib",
+    "static_mib",
+    "work_mib",
     "gflops",
     "ceiling_gflops",
     "frac_ceiling",
     "speedup_vs_eager",
     "mem_vs_eager",
+    "work_vs_eager",
     "note",
 )
 # --------------------------------------------------------------------------------------------
 # Worker side: one (case, contender) per process.
+
+# glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its heap, so the
+# peak resident set also counts memory the step had already freed. With a fixed 64 KiB threshold
+# every tensor of 64 KiB or more is a mapping of its own, unmapped when freed: the peak resident
+# set is then the peak of memory in use, what torch.cuda.max_memory_allocated is on a GPU.
+LIVE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
 
 
 def _proc_status_mib(field: str) -> float | None:
@@ -95,6 +114,15 @@ def _rss_peak_mib() -> float:
     child's ru_maxrss starts at its parent's resident set at the fork, so a worker's baseline
     taken from it can exceed what the worker holds."""
     return _proc_status_mib("VmHWM:") or _ru_maxrss_mib()
+
+
+def _reset_rss_peak() -> None:
+    """Start this process's peak resident set (VmHWM) over from its resident set now (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -174,12 +202,15 @@ def _measure(step, spec: dict, layout: str, device, dtype) -> dict:
         base = _rss_mib()
     case = CASES[spec["case"]]
     x = make_inputs(case, spec["scale"], layout, device, dtype)
+    if not cuda:
+        _reset_rss_peak()  # what building the inputs held transiently is not the loss's
     losses = []
     times = sorted(
         _timed(lambda: losses.append(run(x).detach()), spec["reps"], spec["warmup"], cuda)
     )
     peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()) - base
     return {
+        "static_mib": static_mib(x),
         "status": "ok",
         "N": x.n_trainable,
         "rows_computed": x.n_computed,
@@ -193,6 +224,16 @@ def _measure(step, spec: dict, layout: str, device, dtype) -> dict:
         "peak_mib": peak,
         "loss": float(losses[-1]),
     }
+
+
+def static_mib(x: Inputs) -> float:
+    """MiB that every contender holds whatever its loss does: the inputs' tensors and the
+    gradients of the two leaves (hidden and the LM head weight)."""
+    import torch
+
+    tensors = [v for v in vars(x).values() if isinstance(v, torch.Tensor)]
+    leaves = (x.hidden, x.weight)
+    return sum(t.nbytes for t in (*tensors, *leaves)) / 2**20
 
 
 def _case_worker(spec: dict) -> dict:
@@ -247,10 +288,24 @@ def emit_summary(summary: dict, path: Path) -> dict:
     return summary
 
 
-def _run_worker(spec: dict, timeout: float, log_dir: Path) -> dict:
-    """Run one worker; a failure keeps its output in log_dir/<case>__<contender>.log."""
+def _run_worker(spec: dict, timeout: float, log_dir: Path, env_extra: dict | None = None) -> dict:
+    """Run one worker; a failure keeps its output in log_dir/<case>__<contender>[__live].log."""
     cmd = [sys.executable, "-m", "cod_fast.bench.kernels", "--worker", json.dumps(spec)]
-    return run_json_worker(cmd, timeout, log_dir / f"{spec['case']}__{spec['contender']}.log")
+    live = "__live" if env_extra else ""
+    log = log_dir / f"{spec['case']}__{spec['contender']}{live}.log"
+    return run_json_worker(cmd, timeout, log, dict(os.environ) | (env_extra or {}))
+
+
+def _measure_contender(spec: dict, timeout: float, log_dir: Path, cuda: bool) -> dict:
+    """The timed worker, and on the CPU a one-call worker under LIVE_MALLOC for the live peak
+    (its own process: a mapping per block costs page faults that must not be timed)."""
+    result = _run_worker(spec, timeout, log_dir)
+    if cuda or result["status"] != "ok":
+        return result | {"live_peak_mib": result.get("peak_mib")}
+    live = _run_worker(spec | {"reps": 1, "warmup": 0}, timeout, log_dir, LIVE_MALLOC)
+    if live["status"] != "ok":
+        return {"status": f"live peak {live['status']}"}
+    return result | {"live_peak_mib": live["peak_mib"]}
 
 
 def _git_commit() -> str:
@@ -317,6 +372,7 @@ def _contenders(asked: list[str], cuda: bool) -> list[tuple[str, str | None]]:
         "eager": lambda: None,
         "torch": lambda: None,
         "cpp": lambda: cod_fast_impl("cpp"),
+        "cpp-fixed64": lambda: cod_fast_impl("cpp"),
         "triton": lambda: cod_fast_impl("triton"),
         "liger": lambda: installed("liger_kernel", "liger-kernel"),
         "liger-compiled": lambda: installed("liger_kernel", "liger-kernel"),
@@ -340,17 +396,31 @@ def _derive(row: dict, eager: dict | None) -> None:
     ok = eager is not None and eager["status"] == "ok"
     row["speedup_vs_eager"] = eager["median_s"] / row["median_s"] if ok else None
     row["mem_vs_eager"] = row["peak_mib"] / eager["peak_mib"] if ok and eager["peak_mib"] else None
+    row["work_mib"] = row["live_peak_mib"] - row["static_mib"]
+    eager_work = eager["live_peak_mib"] - eager["static_mib"] if ok else None
+    row["work_vs_eager"] = row["work_mib"] / eager_work if eager_work and eager_work > 0 else None
+
+
+def append_csv_rows(path: Path, columns, rows: list[dict]) -> None:
+    """Append `rows` (dicts; missing keys blank) under `columns`; a file written before a column
+    was added is rewritten with the new header, its old rows blank in the new columns."""
+    old, header = [], None
+    if path.exists():
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            old, header = list(reader), reader.fieldnames
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(columns)
+    with path.open("a" if header == columns else "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        if header != columns:
+            writer.writeheader()
+            writer.writerows(old)
+        writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
 
 
 def _append_csv(path: Path, row: dict, meta: dict) -> None:
-    new = not path.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    values = {**meta, **row, "note": row["status"]}
-    with path.open("a", newline="") as f:
-        writer = csv.writer(f)
-        if new:
-            writer.writerow(CSV_COLUMNS)
-        writer.writerow(["" if values.get(c) is None else values.get(c, "") for c in CSV_COLUMNS])
+    append_csv_rows(path, CSV_COLUMNS, [{**meta, **row, "note": row["status"]}])
 
 
 def _fmt(value, spec: str) -> str:
@@ -364,9 +434,10 @@ def _print_table(summary: dict, cuda: bool) -> None:
     if ceiling:
         title += f"; ceiling {ceiling['kind']}, {ceiling['min'] / div:.1f}-{ceiling['max'] / div:.1f} {unit}"
     headers = ["case", "contender", "N", "rows", "H", "V", "dtype", "median s", "p20-p80 s"]
-    headers += ["peak MiB", f"GEMM-eq {unit}", f"ceil {unit}", "% ceil"]
+    headers += ["peak MiB", "live MiB", "static MiB", "work MiB"]
+    headers += [f"GEMM-eq {unit}", f"ceil {unit}", "% ceil"]
     headers += ["% ceil 8NHV"] if cuda else []
-    headers += ["x eager", "mem/eager", "loss", "note"]
+    headers += ["x eager", "mem/eager", "work/eager", "loss", "note"]
     rows = []
     for r in summary["results"]:
         ok = r["status"] == "ok"
@@ -374,10 +445,14 @@ def _print_table(summary: dict, cuda: bool) -> None:
         if ok:
             cells += [str(r["N"]), str(r["rows_computed"]), str(r["H"]), str(r["V"]), r["dtype"]]
             cells += [f"{r['median_s']:.4g}", f"{r['p20_s']:.4g}-{r['p80_s']:.4g}"]
-            cells += [f"{r['peak_mib']:.0f}", f"{r['gflops'] / div:.1f}"]
+            cells += [
+                f"{r[k]:.0f}" for k in ("peak_mib", "live_peak_mib", "static_mib", "work_mib")
+            ]
+            cells += [f"{r['gflops'] / div:.1f}"]
             cells += [f"{r['ceiling_gflops'] / div:.1f}", f"{100 * r['frac_ceiling']:.0f}"]
             cells += [f"{100 * r['frac_ceiling_8nhv']:.0f}"] if cuda else []
             cells += [_fmt(r["speedup_vs_eager"], ".2f"), _fmt(r["mem_vs_eager"], ".2f")]
+            cells += [_fmt(r["work_vs_eager"], ".3f")]
             cells += [f"{r['loss']:.6g}", ""]
         else:
             cells += ["-"] * (len(headers) - 3) + [r["status"]]
@@ -470,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             }
             if skip is None:
                 with progress.status(f"{case_name} / {contender}"):
-                    result = _run_worker(spec, args.timeout, out / "logs")
+                    result = _measure_contender(spec, args.timeout, out / "logs", cuda)
             else:
                 result = {"status": skip}
             row = {"case": case_name, "contender": contender, **result}

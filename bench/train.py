@@ -39,7 +39,6 @@ as the last line on stdout one JSON object with everything.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import importlib.metadata
@@ -55,6 +54,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cod_fast.bench.kernels import (
+    LIVE_MALLOC,
     _fmt,
     _git_commit,
     _machine,
@@ -62,6 +62,7 @@ from cod_fast.bench.kernels import (
     _rss_mib,
     _rss_peak_mib,
     _timed,
+    append_csv_rows,
     emit_summary,
     measure_ceiling,
     run_json_worker,
@@ -127,6 +128,28 @@ class StepShape:
             f"Qwen3 {self.layers}L H{self.hidden} {self.heads}q/{self.kv_heads}kv heads "
             f"d{self.head_dim} I{self.intermediate} V{self.vocab} tied"
         )
+
+    def seeded_model(self, **config):
+        """Qwen3ForCausalLM of this shape with weights from SEED (the global RNG is left as it
+        was); `config` adds Qwen3Config fields (end and padding tokens)."""
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        config = Qwen3Config(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=8192,
+            tie_word_embeddings=True,
+            **config,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(SEED)
+            return Qwen3ForCausalLM(config)
 
 
 TINY = StepShape(  # the smoke test's: seconds, not a measurement
@@ -203,25 +226,11 @@ def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False, lean: 
     it: packed attention for `device`, the memory-lean MLPs and norms when `lean` (the
     trainer's default), gradient checkpointing per decoder layer when `grad_ckpt`."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from cod_fast.config import ModelConfig
     from cod_fast.model import prepare_model
 
-    config = Qwen3Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = Qwen3ForCausalLM(config)
+    model = shape.seeded_model()
     cfg = ModelConfig(gradient_checkpointing=grad_ckpt, lean_activations=lean)
     prepare_model(model, cfg, torch.device(device))
     return model.to(device=device, dtype=dtype)
@@ -421,13 +430,6 @@ def _run_worker(spec: dict, timeout: float, log_dir: Path, env_extra: dict | Non
     return run_json_worker(cmd, timeout, log, env)
 
 
-# glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its heap, so the
-# peak resident set also counts memory the step had already freed. With a fixed 64 KiB threshold
-# every tensor of 64 KiB or more is a mapping of its own, unmapped when freed: the peak resident
-# set is then the peak of memory in use, what torch.cuda.max_memory_allocated is on a GPU.
-LIVE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-
-
 def _measure(spec: dict, timeout: float, log_dir: Path) -> dict:
     """A contender's timing worker and, on the CPU, a one-step worker for its live peak (its
     own process: a mapping per block makes page faults that must not be timed)."""
@@ -547,19 +549,9 @@ def run_meta() -> dict[str, str]:
 
 
 def _append_csv(path: Path, table, rows: list[dict], meta: dict) -> None:
-    """Append `rows`; a file written before a column was added is rewritten with it (blank)."""
-    columns, old, header = [*META, *(c for c, _, _ in table)], [], None
-    if path.exists():
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            old, header = list(reader), reader.fieldnames
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a" if header == columns else "w", newline="") as f:
-        writer = csv.DictWriter(f, columns, extrasaction="ignore")
-        if header != columns:
-            writer.writeheader()
-            writer.writerows(old)
-        writer.writerows({**meta, **row} for row in rows)
+    """Append `rows` under META and the table's columns (see kernels.append_csv_rows)."""
+    columns = [*META, *(c for c, _, _ in table)]
+    append_csv_rows(path, columns, [{**meta, **row} for row in rows])
 
 
 def _print_table(title: str, table, rows: list[dict]) -> None:

@@ -51,40 +51,64 @@ def resolve_attn_impl(choice: str, device: torch.device) -> str:
     return "sdpa"
 
 
-def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
+def packed_attention_kwargs(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    kv_index: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int = 0,
+) -> dict:
     """The keyword arguments that make a decoder forward attend per sequence (the names of
     transformers' FlashAttentionKwargs, so its own flash-attention path reads them too).
 
     `attention_mask` is an empty 4-D tensor: every transformers decoder takes a 4-D mask as
     already prepared, so no [T, T] mask is built; the packed kernels never read it, and anything
     else that did would fail on its shape instead of attending wrongly.
+
+    The shared-prefix layout (cod_fast.prefix_tree) adds `kv_index`: block i of the queries
+    (cu_seqlens) attends to the keys at kv_index[cu_seqlens_k[i]:cu_seqlens_k[i+1]], causally
+    aligned at the end (the last query sees every key of its block).
     """
     cu = cu_seqlens.to(torch.int32)
-    return {
+    shared = kv_index is not None
+    cu_k = cu_seqlens_k.to(device=cu.device, dtype=torch.int32) if shared else cu
+    kwargs = {
         "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=cu.device),
         "cu_seq_lens_q": cu,
-        "cu_seq_lens_k": cu,
+        "cu_seq_lens_k": cu_k,
         "max_length_q": max_seqlen,
-        "max_length_k": max_seqlen,
+        "max_length_k": max_seqlen_k if shared else max_seqlen,
     }
+    if shared:
+        kwargs["cod_kv_index"] = kv_index.to(cu.device)
+    return kwargs
 
 
-def _per_sequence_sdpa(q, k, v, cu_seqlens, scaling):
-    """[T, H, D] inputs; one causal SDPA call per sequence. The inputs are 4-D ([1, H, L, D]):
+def _per_sequence_sdpa(q, k, v, cu_q, cu_k, scaling):
+    """[T, H, D] inputs; one causal SDPA call per block. The inputs are 4-D ([1, H, L, D]):
     torch's fused CPU (flash) kernel takes only 4-D ones; 3-D inputs fall back to the math path,
-    which is ~3x slower and keeps the [H, L, L] probabilities for backward. The sequences are
-    cut with one `split` (its backward is one concatenation; slicing would make each slice's
-    backward write a zero-filled [T, H, D] gradient)."""
-    lengths = cu_seqlens.diff().tolist()
+    which is ~3x slower and keeps the [H, L, L] probabilities for backward. The blocks are cut
+    with one `split` (its backward is one concatenation; slicing would make each slice's
+    backward write a zero-filled [T, H, D] gradient). A block with more keys than queries (a
+    node after its shared prefix) is causal aligned at the end, as flash-attention's varlen."""
+    q_lengths, k_lengths = cu_q.diff().tolist(), cu_k.diff().tolist()
     gqa = q.shape[1] != k.shape[1]
     outs = []
-    pieces = (x.transpose(0, 1)[None].split(lengths, dim=2) for x in (q, k, v))
-    for qs, ks, vs in zip(*pieces, strict=True):
+    qs = q.transpose(0, 1)[None].split(q_lengths, dim=2)
+    ks, vs = (x.transpose(0, 1)[None].split(k_lengths, dim=2) for x in (k, v))
+    for qb, kb, vb in zip(qs, ks, vs, strict=True):
+        lq, lk = qb.shape[2], kb.shape[2]
+        mask = None if lq == lk else _lower_right(lq, lk, qb.device)
         out = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa
+            qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def _lower_right(lq: int, lk: int, device: torch.device) -> torch.Tensor:
+    """[lq, lk] bool: query t may see keys up to lk - lq + t (causal, aligned at the end)."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
 
 
 @functools.cache
@@ -97,7 +121,7 @@ def _varlen_options() -> tuple[bool, bool]:
     return "is_causal" in params, "enable_gqa" in params
 
 
-def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling):
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling):
     from torch.nn.attention.varlen import varlen_attn
 
     takes_causal, takes_gqa = _varlen_options()
@@ -108,16 +132,14 @@ def _torch_varlen(q, k, v, cu_seqlens, max_seqlen, scaling):
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return varlen_attn(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, **extra
-    )
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, **extra)
 
 
-def _flash_varlen(q, k, v, cu_seqlens, max_seqlen, scaling):
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling):
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=True
+        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=True
     )
 
 
@@ -140,13 +162,16 @@ def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kw
         )
     scaling = kwargs.get("scaling")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu_q = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu_k = kwargs["cu_seq_lens_k"].to(device=q.device, dtype=torch.int32)
+    if (kv_index := kwargs.get("cod_kv_index")) is not None:  # shared prefixes: gather the keys
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     if kernel == "sdpa":
-        out = _per_sequence_sdpa(q, k, v, cu, scaling)
-    elif kernel == "varlen_attn":
-        out = _torch_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+        out = _per_sequence_sdpa(q, k, v, cu_q, cu_k, scaling)
     else:
-        out = _flash_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
+        run = _torch_varlen if kernel == "varlen_attn" else _flash_varlen
+        lengths = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+        out = run(q, k, v, cu_q, cu_k, *lengths, scaling)
     return out[None], None
 
 

@@ -432,6 +432,58 @@ def bench_sampler(
     sampler.main(_bench_argv(options))
 
 
+@bench_app.command("e2e")
+def bench_e2e(
+    sizes: Annotated[
+        str | None, typer.Option(help="Comma-separated model sizes (tiny, small); default both.")
+    ] = None,
+    contenders: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated contenders (cod-fast, trl, cod-multiturn)."),
+    ] = None,
+    reps: Annotated[int | None, typer.Option(help="Timed GRPO steps (median, p20, p80).")] = None,
+    warmup: Annotated[int | None, typer.Option(help="Untimed steps before timing.")] = None,
+    prompts: Annotated[int | None, typer.Option(help="Prompts per step.")] = None,
+    group: Annotated[int | None, typer.Option(help="Completions per prompt.")] = None,
+    max_completion: Annotated[int | None, typer.Option(help="Tokens per completion.")] = None,
+    cod_sampler: Annotated[
+        str | None, typer.Option(help="cod-fast's sampler: auto, torch or vllm.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for e2e.csv/.json.")] = None,
+    timeout: Annotated[float | None, typer.Option(help="Seconds per worker process.")] = None,
+) -> None:
+    """Time one GRPO step end to end (sampling, log-probs, loss, optimizer) through cod-fast
+    and TRL's GRPOTrainer on the same model and prompts (cod_fast.bench.e2e)."""
+    from cod_fast.bench import e2e
+
+    options = {"sizes": sizes, "contenders": contenders, "reps": reps, "warmup": warmup}
+    options |= {"prompts": prompts, "group": group, "max-completion": max_completion}
+    options |= {"cod-sampler": cod_sampler, "out": out, "timeout": timeout}
+    e2e.main(_bench_argv(options))
+
+
+@bench_app.command("share")
+def bench_share(
+    envs: Annotated[str | None, typer.Option(help="Comma-separated environments.")] = None,
+    size: Annotated[
+        str | None, typer.Option(help="Random model size for the policy's rollouts (tiny, small).")
+    ] = None,
+    reps: Annotated[int | None, typer.Option(help="Timed steps per layout.")] = None,
+    packs: Annotated[int | None, typer.Option(help="Packs of the policy's step.")] = None,
+    group: Annotated[int | None, typer.Option(help="Members per pack.")] = None,
+    model: Annotated[
+        list[str] | None, typer.Option(help="ENV=DIR: a trained policy for that environment.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for share.csv/.json.")] = None,
+) -> None:
+    """Trainer tokens and step time with and without shared-prefix packing
+    (cod_fast.bench.share)."""
+    from cod_fast.bench import share
+
+    options = {"envs": envs, "size": size, "reps": reps, "packs": packs, "group": group}
+    share.main(_bench_argv(options | {"out": out}, model=model))
+
+
 @bench_app.command("rl-effect")
 def bench_rl_effect(
     warm_steps: Annotated[int | None, typer.Option(help="Warm-start steps [2000].")] = None,

@@ -97,29 +97,48 @@ def lm_head_weight(model) -> torch.Tensor:
 
 
 def block_causal_mask(
-    cu_seqlens: torch.Tensor, dtype: torch.dtype, device: torch.device
+    cu_seqlens: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """[1, 1, T, T] additive mask: 0 where a token may attend (same sequence, not later)."""
-    lengths = cu_seqlens.diff().long().to(device)
-    seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    idx = torch.arange(seq.numel(), device=device)
-    allowed = (seq[:, None] == seq[None, :]) & (idx[:, None] >= idx[None, :])
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    """[1, 1, T, T] additive mask: 0 where a token may attend (its own sequence, not later).
+    `tree` = (kv_index, cu_seqlens_k, position_ids) of the shared-prefix layout: block i's
+    queries may attend to its keys at no greater position."""
+    lengths = cu_seqlens.diff().long().cpu()
+    if tree is None:
+        seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        idx = torch.arange(seq.numel())
+        allowed = (seq[:, None] == seq[None, :]) & (idx[:, None] >= idx[None, :])
+    else:
+        kv_index, cu_k, depth = (x.cpu() for x in tree)
+        cu, cu_k = cu_seqlens.tolist(), cu_k.tolist()
+        allowed = torch.zeros(cu[-1], cu[-1], dtype=torch.bool)
+        for i in range(len(cu) - 1):
+            rows, cols = slice(cu[i], cu[i + 1]), kv_index[cu_k[i] : cu_k[i + 1]]
+            allowed[rows, cols] = depth[cols][None, :] <= depth[rows][:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None].to(device)
 
 
 def packed_hidden_states(model, mb: MicroBatch) -> torch.Tensor:
     """Final hidden states [T, H] of a packed micro-batch; sequences never see each other.
 
-    With a cod_fast.attention kernel the decoder attends per sequence from cu_seqlens; any other
-    attention implementation gets the explicit block-diagonal mask (recent transformers also
-    infer packing from restarting position_ids, but not every version or implementation does).
+    With a cod_fast.attention kernel the decoder attends per sequence (tree node) from
+    cu_seqlens (and the key blocks of the shared-prefix layout); any other attention
+    implementation gets the explicit [T, T] mask (recent transformers also infer packing from
+    restarting position_ids, but not every version or implementation does, nor trees).
     """
     param = next(model.parameters())
     if model.config._attn_implementation in KERNELS.values():
-        attention = packed_attention_kwargs(mb.cu_seqlens.to(param.device), mb.max_seqlen)
+        cu = mb.cu_seqlens.to(param.device)  # the key blocks follow it to its device
+        attention = packed_attention_kwargs(
+            cu, mb.max_seqlen, mb.kv_index, mb.cu_seqlens_k, mb.max_seqlen_k
+        )
     else:
-        attention = {"attention_mask": block_causal_mask(mb.cu_seqlens, param.dtype, param.device)}
+        tree = None if mb.kv_index is None else (mb.kv_index, mb.cu_seqlens_k, mb.position_ids)
+        mask = block_causal_mask(mb.cu_seqlens, param.dtype, param.device, tree)
+        attention = {"attention_mask": mask}
     out = model.get_decoder()(
         input_ids=mb.input_ids[None].to(param.device),
         position_ids=mb.position_ids[None].to(param.device),

@@ -6,6 +6,8 @@ whole sequences to micro-batches and ranks -> `build_microbatch` flattens them i
 tensors the loss reads: attention boundaries (`cu_seqlens`), per-sequence positions, and for every
 trainable position its target token, segment id, advantage and sampler log-prob. The trainer
 adds the log-probs it recomputes (old policy, reference) to the micro-batches afterwards.
+With `share_prefix` a micro-batch is its sequences' prefix tree (cod_fast.prefix_tree; planned by
+`balance_shared`): each shared prefix once, the per-token values those of the flat layout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cod_fast.prefix_tree import Tree, build_tree, common_prefix, flat_tree
 from cod_fast.records import Episode
 
 
@@ -130,13 +133,17 @@ class MicroBatch:
     input_ids: torch.Tensor
     """[T] int64."""
     position_ids: torch.Tensor
-    """[T] int64, restarting at 0 for every sequence."""
+    """[T] int64, each token's position in its sequence (restarting at 0 for every sequence; a
+    tree node's tokens continue their ancestors' positions)."""
     cu_seqlens: torch.Tensor
-    """[S+1] int32, sequence boundaries starting at 0; attention never crosses them."""
+    """[S+1] int32, sequence boundaries starting at 0; attention never crosses them. In the
+    shared-prefix layout the boundaries of the prefix tree's nodes (cod_fast.prefix_tree)."""
     max_seqlen: int
-    """Longest sequence (0 when empty)."""
+    """Longest sequence, or tree node (0 when empty)."""
     trainable_idx: torch.Tensor
-    """[N] int64, ascending positions in the flattened row."""
+    """[N] int64, the flattened row's position whose hidden state predicts each target, in the
+    order of the sequences and their segments (ascending in the flat layout; in the shared-prefix
+    layout a shared position appears once per segment that predicts from it)."""
     targets: torch.Tensor
     """[N] int64, input_ids[trainable_idx + 1]."""
     segment_ids: torch.Tensor
@@ -155,6 +162,13 @@ class MicroBatch:
     """[N] float32 from the trainer's reference model when a KL term is on, else None."""
     teacher_logp: torch.Tensor | None = None
     """[N] float32 from the distillation teachers (`opd`), else None."""
+    kv_index: torch.Tensor | None = None
+    """Shared-prefix layout only: [K] int64, the positions each tree node attends to, node by
+    node (its ancestors' tokens, then its own); None when every node is a whole sequence."""
+    cu_seqlens_k: torch.Tensor | None = None
+    """Shared-prefix layout only: [S+1] int32, each node's block of `kv_index`."""
+    max_seqlen_k: int = 0
+    """Shared-prefix layout only: the longest block of `kv_index`."""
 
     @property
     def num_tokens(self) -> int:
@@ -178,12 +192,24 @@ class MicroBatch:
         )
 
 
-def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
-    """Flatten whole sequences into one micro-batch (an empty list gives a valid empty one)."""
+def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> MicroBatch:
+    """Flatten whole sequences into one micro-batch (an empty list gives a valid empty one).
+
+    `share_prefix` lays them out as their prefix tree (cod_fast.prefix_tree): each shared prefix
+    once; the per-token values and their order are those of the flat layout.
+    """
+    token_lists = [seq.tokens for seq in sequences]
+    tree = build_tree(token_lists) if share_prefix else flat_tree(token_lists)
+    offsets = tree.offsets()
     tokens: list[int] = []
     positions: list[int] = []
     cu_seqlens = [0]
+    for node in tree.nodes:
+        tokens.extend(token_lists[node.source][node.start : node.start + node.length])
+        positions.extend(range(node.start, node.start + node.length))
+        cu_seqlens.append(len(tokens))
     trainable: list[int] = []
+    targets: list[int] = []
     segment_ids: list[int] = []
     advantages: list[float] = []
     rollout_logp: list[float] = []
@@ -194,16 +220,14 @@ def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
     if any(scored) and not all(scored):
         raise ValueError("some segments have teacher log-probs and some not; score them all")
     teacher: list[float] = [x for seg in segments for x in seg.teacher_logp or []]
-    for seq in sequences:
-        offset = len(tokens)
-        tokens.extend(seq.tokens)
-        positions.extend(range(len(seq)))
-        cu_seqlens.append(len(tokens))
+    for seq, path in zip(sequences, tree.paths, strict=True):
+        # Where each depth of the sequence lies in the flattened row.
+        where = [offsets[n] + d for n in path for d in range(tree.nodes[n].length)]
         for seg in seq.segments:
             # Position p predicts token p+1, so the segment's first response token (at `start`)
             # is the target of position start-1; every response token has a target.
-            first = offset + seg.start - 1
-            trainable.extend(range(first, first + seg.length))
+            trainable.extend(where[seg.start - 1 : seg.start - 1 + seg.length])
+            targets.extend(seq.tokens[seg.start : seg.start + seg.length])
             segment_ids.extend([len(keys)] * seg.length)
             advantages.extend([seg.advantage] * seg.length)
             rollout_logp.extend(seg.rollout_logp)
@@ -216,22 +240,41 @@ def build_microbatch(sequences: list[Sequence]) -> MicroBatch:
     def f32(x: list[float]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.float32)
 
-    input_ids = i64(tokens)
-    trainable_idx = i64(trainable)
     return MicroBatch(
-        input_ids=input_ids,
+        input_ids=i64(tokens),
         position_ids=i64(positions),
         cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
-        max_seqlen=max((len(seq) for seq in sequences), default=0),
-        trainable_idx=trainable_idx,
-        targets=input_ids[trainable_idx + 1],
+        max_seqlen=max((node.length for node in tree.nodes), default=0),
+        trainable_idx=i64(trainable),
+        targets=i64(targets),
         segment_ids=i64(segment_ids),
         advantages=f32(advantages),
         rollout_logp=f32(rollout_logp),
         segment_lengths=i64(lengths),
         segment_keys=keys,
         teacher_logp=f32(teacher) if segments and all(scored) else None,
+        **_key_blocks(tree, offsets),
     )
+
+
+def _key_blocks(tree: Tree, offsets: list[int]) -> dict:
+    """kv_index, cu_seqlens_k and max_seqlen_k of a tree with shared nodes ({} when none)."""
+    if all(node.parent < 0 for node in tree.nodes):
+        return {}
+    kv: list[int] = []
+    cu = [0]
+    for i in range(len(tree.nodes)):
+        chain = [i]
+        while tree.nodes[chain[-1]].parent >= 0:
+            chain.append(tree.nodes[chain[-1]].parent)
+        for n in reversed(chain):
+            kv.extend(range(offsets[n], offsets[n] + tree.nodes[n].length))
+        cu.append(len(kv))
+    return {
+        "kv_index": torch.tensor(kv, dtype=torch.int64),
+        "cu_seqlens_k": torch.tensor(cu, dtype=torch.int32),
+        "max_seqlen_k": max(node.start + node.length for node in tree.nodes),
+    }
 
 
 def balance(lengths: list[int], token_budget: int, world_size: int = 1) -> list[list[list[int]]]:
@@ -243,6 +286,44 @@ def balance(lengths: list[int], token_budget: int, world_size: int = 1) -> list[
     then dealt to ranks in rounds of `world_size`, the heaviest bin of a round to the lightest
     rank. Both steps keep the spread (max - min load) at most the longest sequence.
     """
+    _check_lengths(lengths, token_budget, world_size)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    per_rank = max(1, math.ceil(sum(lengths) / (token_budget * world_size)))
+    while (bins := _worst_fit(order, lengths, token_budget, per_rank * world_size)) is None:
+        per_rank += 1
+    return _deal(bins, [sum(lengths[i] for i in b) for b in bins], world_size)
+
+
+def balance_shared(
+    sequences: list[Sequence], token_budget: int, world_size: int = 1
+) -> list[list[list[int]]]:
+    """`balance` for the shared-prefix layout: the budget bounds a micro-batch's tree tokens.
+
+    Sequences in token order put the ones that share a prefix side by side; each joins the
+    current micro-batch while the tree's tokens stay within the budget (a sequence adds what it
+    does not share with the one before it), else starts the next. Bins are dealt to ranks as in
+    `balance`, with empty ones added so that every rank gets as many.
+    """
+    _check_lengths([len(seq) for seq in sequences], token_budget, world_size)
+    order = sorted(range(len(sequences)), key=lambda i: sequences[i].tokens)
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    previous: list[int] = []
+    for i in order:
+        tokens = sequences[i].tokens
+        added = len(tokens) - common_prefix(tokens, previous)
+        if not bins or loads[-1] + added > token_budget:
+            bins.append([])
+            loads.append(0)
+            added = len(tokens)
+        bins[-1].append(i)
+        loads[-1] += added
+        previous = tokens
+    empty = max(1, math.ceil(len(bins) / world_size)) * world_size - len(bins)
+    return _deal(bins + [[] for _ in range(empty)], loads + [0] * empty, world_size)
+
+
+def _check_lengths(lengths: list[int], token_budget: int, world_size: int) -> None:
     if token_budget < 1 or world_size < 1:
         raise ValueError(
             f"token_budget and world_size must be >= 1, got {token_budget}, {world_size}"
@@ -255,12 +336,12 @@ def balance(lengths: list[int], token_budget: int, world_size: int = 1) -> list[
             )
         if n < 1:
             raise ValueError(f"sequence {i} has length {n}; sequences must be non-empty")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    per_rank = max(1, math.ceil(sum(lengths) / (token_budget * world_size)))
-    while (bins := _worst_fit(order, lengths, token_budget, per_rank * world_size)) is None:
-        per_rank += 1
 
-    loads = [sum(lengths[i] for i in b) for b in bins]
+
+def _deal(bins: list[list[int]], loads: list[int], world_size: int) -> list[list[list[int]]]:
+    """Bins (a multiple of world_size) to ranks in rounds, the heaviest of a round to the
+    lightest rank so far; each bin's indices ascending."""
+    per_rank = len(bins) // world_size
     by_load = sorted(range(len(bins)), key=lambda b: (-loads[b], b))
     result: list[list[list[int]]] = [[] for _ in range(world_size)]
     totals = [0] * world_size
@@ -270,6 +351,15 @@ def balance(lengths: list[int], token_budget: int, world_size: int = 1) -> list[
             result[rank].append(sorted(bins[b]))
             totals[rank] += loads[b]
     return result
+
+
+def plan_microbatches(
+    sequences: list[Sequence], token_budget: int, world_size: int = 1, share_prefix: bool = False
+) -> list[list[list[int]]]:
+    """`result[rank][mb]` = sequence indices: `balance_shared` or `balance`."""
+    if share_prefix:
+        return balance_shared(sequences, token_budget, world_size)
+    return balance([len(seq) for seq in sequences], token_budget, world_size)
 
 
 def _worst_fit(
@@ -291,11 +381,13 @@ def _worst_fit(
 
 
 def pack_microbatches(
-    sequences: list[Sequence], token_budget: int, world_size: int = 1
+    sequences: list[Sequence], token_budget: int, world_size: int = 1, share_prefix: bool = False
 ) -> list[list[MicroBatch]]:
     """rank -> its micro-batches for one optimizer step. All checks run before any tensor."""
-    plan = balance([len(seq) for seq in sequences], token_budget, world_size)
-    return [[build_microbatch([sequences[i] for i in mb]) for mb in rank] for rank in plan]
+    plan = plan_microbatches(sequences, token_budget, world_size, share_prefix)
+    return [
+        [build_microbatch([sequences[i] for i in mb], share_prefix) for mb in rank] for rank in plan
+    ]
 
 
 def step_totals(batches: Iterable[Iterable[MicroBatch]]) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import torch
 
 from cod_fast.config import ConfigError, LossConfig, ModelConfig
 from cod_fast.model import load_policy
-from cod_fast.packing import Sequence, balance, build_microbatch
+from cod_fast.packing import Sequence, build_microbatch, plan_microbatches
 from cod_fast.policy import Policy
 
 DEVICE_SHARE = 0.5
@@ -79,7 +79,13 @@ class Teachers:
                 teacher.to(device)
 
     @torch.no_grad()
-    def score(self, sequences: list[Sequence], loss: LossConfig, token_budget: int) -> dict:
+    def score(
+        self,
+        sequences: list[Sequence],
+        loss: LossConfig,
+        token_budget: int,
+        share_prefix: bool = False,
+    ) -> dict:
         """Set `teacher_logp` on every segment of `sequences` (each by its sequence's
         environment); returns the teacher metrics: per environment the mean log-prob gap
         teach - roll over its trainable tokens (roll is the sampler's log-prob, the student's
@@ -93,7 +99,7 @@ class Teachers:
         for env, group in sorted(by_env.items()):
             if env not in self.models:
                 raise ValueError(f"a sequence of environment {env!r} has no teacher")
-            gap = self._score_env(self.models[env], group, loss, token_budget)
+            gap = self._score_env(self.models[env], group, loss, token_budget, share_prefix)
             metrics[f"teacher_gap/{env}"] = sum(gap) / len(gap) if gap else 0.0
             gaps += gap
         if gaps:
@@ -102,15 +108,21 @@ class Teachers:
         return metrics
 
     def _score_env(
-        self, teacher: Policy, group: list[Sequence], loss: LossConfig, token_budget: int
+        self,
+        teacher: Policy,
+        group: list[Sequence],
+        loss: LossConfig,
+        token_budget: int,
+        share_prefix: bool,
     ) -> list[float]:
         if not self.resident:
             teacher.to(self.device)
         gap: list[float] = []
-        # One forward per token: the environment's sequences packed into budget-sized batches.
-        for indices in balance([len(s) for s in group], token_budget)[0]:
+        # One forward per token: the environment's sequences packed into budget-sized batches
+        # (per distinct token, with shared prefixes packed once).
+        for indices in plan_microbatches(group, token_budget, 1, share_prefix)[0]:
             chosen = [group[i] for i in indices]
-            mb = build_microbatch(chosen).to(self.device)
+            mb = build_microbatch(chosen, share_prefix).to(self.device)
             logp = teacher(mb, config=loss, mode="logprobs").float().cpu()
             offset = 0
             for seq in chosen:

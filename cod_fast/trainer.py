@@ -66,7 +66,13 @@ from cod_fast.metrics import summarize_rollouts
 from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
 from cod_fast.ops.loss_terms import SAMPLER_GAP
-from cod_fast.packing import MicroBatch, balance, build_microbatch, rollout_sequences, step_totals
+from cod_fast.packing import (
+    MicroBatch,
+    build_microbatch,
+    plan_microbatches,
+    rollout_sequences,
+    step_totals,
+)
 from cod_fast.policy import Policy
 from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
@@ -365,17 +371,19 @@ class Trainer:
     def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> Update:
         """Optimizer steps over the batch, split into `mini_batches` of whole rollouts."""
         budget, world = self.cfg.train.token_budget, self.ctx.world_size
+        share = self.cfg.train.share_prefix
         size = math.ceil(len(rollouts) / mini_batches)
         plans, update = [], Update()
         for start in range(0, len(rollouts), size):
             episodes = [e for r in rollouts[start : start + size] for e in r.episodes]
             sequences = rollout_sequences(episodes)
-            layout = balance([len(seq) for seq in sequences], budget, world)
+            layout = plan_microbatches(sequences, budget, world, share)
             if self.teachers is not None and loss is not SFT_LOSS:  # this rank's sequences
                 mine = [sequences[i] for mb in layout[self.ctx.rank] for i in mb]
-                update.teacher.append(self.teachers.score(mine, loss, budget))
+                update.teacher.append(self.teachers.score(mine, loss, budget, share))
             batches = [
-                [build_microbatch([sequences[i] for i in mb]) for mb in rank] for rank in layout
+                [build_microbatch([sequences[i] for i in mb], share) for mb in rank]
+                for rank in layout
             ]
             packed = sum(mb.num_tokens for rank in batches for mb in rank)
             plans.append((batches[self.ctx.rank], step_totals(batches), packed))

@@ -126,3 +126,51 @@ def test_kernel_choice_per_device():
     for choice in ("flash_attn", "varlen_attn"):
         with pytest.raises(ValueError, match=r"model\.attn_impl"):
             resolve_attn_impl(choice, torch.device("cpu"))
+
+
+def _tree_microbatch(seed: int):
+    """Sequences that share prefixes (a common start, equal and diverging continuations, one a
+    prefix of another), laid out as their prefix tree."""
+    rng = random.Random(seed)
+    start = [rng.randrange(9) for _ in range(5)]
+    seqs = [start + [rng.randrange(9) for _ in range(rng.randint(1, 9))] for _ in range(6)]
+    seqs += [seqs[0] + [1, 2, 3], list(seqs[1]), start[:3]]
+    return build_microbatch([Sequence(tokens=t, segments=[]) for t in seqs], share_prefix=True)
+
+
+@pytest.mark.parametrize(
+    "kernel,device,dtype,slack",
+    [
+        ("sdpa", "cpu", torch.float32, 1e-6),
+        pytest.param("varlen_attn", "cuda", torch.bfloat16, 2e-2, marks=pytest.mark.gpu),
+        pytest.param("flash_attn", "cuda", torch.bfloat16, 2e-2, marks=pytest.mark.gpu),
+    ],
+)
+def test_tree_blocks_match_a_float64_tree_mask(kernel, device, dtype, slack):
+    """The shared-prefix layout: each tree node's queries attend to its ancestors' keys and,
+    causally aligned at the end, its own (GQA); within the fp32/bf16 eager masked attention's
+    own error against float64, plus slack."""
+    if kernel == "flash_attn":
+        pytest.importorskip("flash_attn")
+    torch.manual_seed(2)
+    mb = _tree_microbatch(seed=2)
+    assert mb.kv_index is not None
+    total = mb.num_tokens
+    q = torch.randn(1, 4, total, 16, device=device, dtype=dtype)
+    k = torch.randn(1, 2, total, 16, device=device, dtype=dtype)
+    v = torch.randn(1, 2, total, 16, device=device, dtype=dtype)
+    scaling = 0.25
+    attention = packed_attention_kwargs(
+        mb.cu_seqlens.to(device), mb.max_seqlen, mb.kv_index, mb.cu_seqlens_k, mb.max_seqlen_k
+    )
+    out, _ = _packed_forward(kernel, _Module(), q, k, v, **attention, scaling=scaling)
+    tree = (mb.kv_index, mb.cu_seqlens_k, mb.position_ids)
+
+    def masked(dt):
+        mask = block_causal_mask(mb.cu_seqlens, dt, device, tree)
+        kk, vv = (x.to(dt).repeat_interleave(2, 1) for x in (k, v))
+        return F.scaled_dot_product_attention(q.to(dt), kk, vv, attn_mask=mask, scale=scaling)
+
+    want = masked(torch.float64).transpose(1, 2)
+    budget = (masked(dtype).transpose(1, 2).double() - want).abs().max().item() + slack
+    assert (out.double() - want).abs().max().item() <= budget, worst(out, want)

@@ -503,6 +503,7 @@ def test_nan_input_rows_give_nan_not_numbers(impl, small_chunks):
     assert torch.isnan(out.loss)
 
 
+@pytest.mark.slow
 def test_opd_steps_on_own_samples_move_the_student_to_its_teacher():
     """SGD on the `opd` loss over tokens the student samples itself lowers the exact reverse KL
     KL(student || teacher) on every row: A = teach - logp points the student at the teacher

@@ -15,6 +15,7 @@ backward (the loss is a scalar), as in Liger's fused linear losses.
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import torch
@@ -23,9 +24,16 @@ from cod_fast.config import LossConfig
 from cod_fast.ops.loss_head import HeadInputs, kernel_switches, prepare_head
 from cod_fast.ops.loss_terms import LossInputs, PolicyLossOutput, loss_metrics
 
-# Bytes of float32 logits one chunk may hold. Larger chunks feed the GEMMs better on a GPU; on
-# the CPU 64 MiB is plenty for the BLAS to run at full rate.
+# A chunk's logits are sized from the shape under a memory budget: at most CHUNK_SHARE of the
+# [N, V] logits a plain implementation holds (a plain loss keeps several such buffers), but at
+# least MIN_CHUNK_ROWS rows, since each chunk streams the whole LM head weight three times (the
+# logits, dh = dz W, dW += dz^T h) and small chunks pay that traffic more often; and never over
+# CHUNK_BYTES. The rows are then split evenly, so the last chunk is not a sliver and the largest
+# chunk is as small as the chunk count allows. Measured with `cod-fast bench kernels` (cpp, and
+# cpp-fixed64 for the rule before this one: one 64 MiB chunk after another).
 CHUNK_BYTES = {"cuda": 512 * 2**20, "cpu": 64 * 2**20}
+CHUNK_SHARE = 1 / 4
+MIN_CHUNK_ROWS = {"cuda": 2048, "cpu": 1024}
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -34,8 +42,14 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def chunk_rows(num_tokens: int, vocab: int, device: torch.device, dtype: torch.dtype) -> int:
-    limit = CHUNK_BYTES.get(device.type, CHUNK_BYTES["cpu"])
-    return max(1, min(num_tokens, limit // (vocab * torch.finfo(dtype).bits // 8)))
+    """Rows per chunk for N = `num_tokens` rows of `vocab` logits in `dtype` (see CHUNK_SHARE)."""
+    if num_tokens < 1:
+        return 1
+    kind = device.type if device.type in CHUNK_BYTES else "cpu"
+    by_budget = CHUNK_BYTES[kind] // (vocab * torch.finfo(dtype).bits // 8)
+    by_shape = max(MIN_CHUNK_ROWS[kind], math.ceil(num_tokens * CHUNK_SHARE))
+    most = max(1, min(num_tokens, by_budget, by_shape))
+    return math.ceil(num_tokens / math.ceil(num_tokens / most))
 
 
 class _Gemms:
@@ -134,6 +148,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
                 ctx.inv_temp,
             )
             gemms.backward(z, rows, grad_h, grad_w)
+            del z  # free this chunk's logits before the next chunk's exist
         return _cast_back(grad_h, hidden), _cast_back(grad_w, weight), None, None, None, None
 
 
@@ -166,6 +181,7 @@ class _FusedLinearPolicyLoss(torch.autograd.Function):
             for buf, value in zip(outs, values, strict=True):
                 buf[rows] = value
             gemms.backward(z, rows, grad_h, grad_w)
+            del z, values  # free this chunk's logits before the next chunk's exist
         ctx.grads = (_cast_back(grad_h, hidden), _cast_back(grad_w, weight))
         logp, entropy, loss, clipped = outs
         ctx.mark_non_differentiable(logp, entropy, clipped)
