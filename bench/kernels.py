@@ -5,8 +5,12 @@
 
 Every (case, contender) pair runs in its own subprocess (`--worker`), so each peak-memory figure
 starts from a clean process: on the CPU the growth of the peak resident set over the worker's
-resident set just before the case's inputs exist, on a GPU torch.cuda.max_memory_allocated after
-a reset.
+resident set just before the case's inputs exist (the peak restarts once they are built, so what
+building them held briefly is not counted), on a GPU torch.cuda.max_memory_allocated after a
+reset. On the CPU a second, one-call worker runs under LIVE_MALLOC for the live peak (memory in
+use, as on a GPU). `static` is what every contender holds whatever its loss does: the inputs'
+tensors and the two leaves' gradients; `work` = live peak - static is what the loss itself adds,
+and `work/eager` compares it with eager's.
 Each worker also measures the ceiling (fp32 GEMM GFLOP/s on the CPU, bf16 8192^3 matmul TFLOP/s
 on a GPU) right after its timed loop: on a shared machine the GEMM rate drifts by 2x within a
 run, and a ceiling taken at the same moment, in the same process, is the honest yardstick. Rates are "GEMM-equivalent": 6 N H V flops (one logits GEMM

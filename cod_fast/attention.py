@@ -163,14 +163,16 @@ def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kw
     scaling = kwargs.get("scaling")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, H, D]
     cu_q = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    cu_k = kwargs["cu_seq_lens_k"].to(device=q.device, dtype=torch.int32)
+    cu_k = kwargs.get("cu_seq_lens_k")
+    cu_k = cu_q if cu_k is None else cu_k.to(device=q.device, dtype=torch.int32)
     if (kv_index := kwargs.get("cod_kv_index")) is not None:  # shared prefixes: gather the keys
         k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     if kernel == "sdpa":
         out = _per_sequence_sdpa(q, k, v, cu_q, cu_k, scaling)
     else:
         run = _torch_varlen if kernel == "varlen_attn" else _flash_varlen
-        lengths = int(kwargs["max_length_q"]), int(kwargs["max_length_k"])
+        max_q = int(kwargs["max_length_q"])
+        lengths = max_q, int(kwargs.get("max_length_k") or max_q)
         out = run(q, k, v, cu_q, cu_k, *lengths, scaling)
     return out[None], None
 
