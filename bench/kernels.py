@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import importlib.util
 import json
 import math
@@ -300,13 +301,17 @@ def _run_worker(spec: dict, timeout: float, log_dir: Path, env_extra: dict | Non
     return run_json_worker(cmd, timeout, log, dict(os.environ) | (env_extra or {}))
 
 
-def _measure_contender(spec: dict, timeout: float, log_dir: Path, cuda: bool) -> dict:
-    """The timed worker, and on the CPU a one-call worker under LIVE_MALLOC for the live peak
-    (its own process: a mapping per block costs page faults that must not be timed)."""
-    result = _run_worker(spec, timeout, log_dir)
-    if cuda or result["status"] != "ok":
-        return result | {"live_peak_mib": result.get("peak_mib")}
-    live = _run_worker(spec | {"reps": 1, "warmup": 0}, timeout, log_dir, LIVE_MALLOC)
+def with_live_peak(run_worker, spec: dict, on_cpu: bool) -> dict:
+    """The timed worker's result (`run_worker(spec, env_extra=...)`) and its `live_peak_mib`: on the
+    CPU the peak of a one-call worker under LIVE_MALLOC (its own process: a mapping per block
+    costs page faults that must not be timed), on a GPU the timed worker's own peak (already
+    max_memory_allocated)."""
+    result = run_worker(spec)
+    if result["status"] != "ok":
+        return result
+    if not on_cpu:
+        return result | {"live_peak_mib": result["peak_mib"]}
+    live = run_worker(spec | {"reps": 1, "warmup": 0}, env_extra=LIVE_MALLOC)
     if live["status"] != "ok":
         return {"status": f"live peak {live['status']}"}
     return result | {"live_peak_mib": live["peak_mib"]}
@@ -549,7 +554,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             }
             if skip is None:
                 with progress.status(f"{case_name} / {contender}"):
-                    result = _measure_contender(spec, args.timeout, out / "logs", cuda)
+                    run = functools.partial(_run_worker, timeout=args.timeout, log_dir=out / "logs")
+                    result = with_live_peak(run, spec, on_cpu=not cuda)
             else:
                 result = {"status": skip}
             row = {"case": case_name, "contender": contender, **result}

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import importlib.metadata
 import json
@@ -54,7 +55,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cod_fast.bench.kernels import (
-    LIVE_MALLOC,
     _fmt,
     _git_commit,
     _machine,
@@ -66,6 +66,7 @@ from cod_fast.bench.kernels import (
     emit_summary,
     measure_ceiling,
     run_json_worker,
+    with_live_peak,
 )
 from cod_fast.config import LossConfig
 from cod_fast.envs import ENVIRONMENTS
@@ -431,17 +432,9 @@ def _run_worker(spec: dict, timeout: float, log_dir: Path, env_extra: dict | Non
 
 
 def _measure(spec: dict, timeout: float, log_dir: Path) -> dict:
-    """A contender's timing worker and, on the CPU, a one-step worker for its live peak (its
-    own process: a mapping per block makes page faults that must not be timed)."""
-    result = _run_worker(spec, timeout, log_dir)
-    if result["status"] != "ok":
-        return result
-    if spec["device"] != "cpu":  # the peak is already max_memory_allocated
-        return result | {"live_peak_mib": result["peak_mib"]}
-    live = _run_worker(spec | {"reps": 1, "warmup": 0}, timeout, log_dir, LIVE_MALLOC)
-    if live["status"] != "ok":
-        return {"status": f"live peak {live['status']}"}
-    return result | {"live_peak_mib": live["peak_mib"]}
+    """A contender's timing worker and, on the CPU, a one-step worker for its live peak."""
+    run = functools.partial(_run_worker, timeout=timeout, log_dir=log_dir)
+    return with_live_peak(run, spec, on_cpu=spec["device"] == "cpu")
 
 
 def _ratio(a: float, b: float) -> float | None:

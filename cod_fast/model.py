@@ -105,8 +105,8 @@ def block_causal_mask(
     """[1, 1, T, T] additive mask: 0 where a token may attend (its own sequence, not later).
     `tree` = (kv_index, cu_seqlens_k, position_ids) of the shared-prefix layout: block i's
     queries may attend to its keys at no greater position."""
-    lengths = cu_seqlens.diff().long().cpu()
     if tree is None:
+        lengths = cu_seqlens.diff().long().cpu()
         seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         idx = torch.arange(seq.numel())
         allowed = (seq[:, None] == seq[None, :]) & (idx[:, None] >= idx[None, :])

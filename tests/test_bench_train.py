@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from cod_fast.bench import train
+from cod_fast.bench import kernels, train
 
 
 def test_default_step_batch_is_cod_shaped():
@@ -106,7 +106,7 @@ def test_live_malloc_gives_every_block_its_own_mapping():
     """Under LIVE_MALLOC (the live-peak workers' environment) a 1 MiB tensor is a mapping of
     its own, returned to the system when freed, so the peak resident set is the peak in use;
     under glibc's defaults the same tensor comes from the heap, which keeps what is freed."""
-    live = _mapped_block(os.environ | train.LIVE_MALLOC)
+    live = _mapped_block(os.environ | kernels.LIVE_MALLOC)
     assert live["mapped"] >= 2**20 and live["returned"] == live["mapped"], live
     default_env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     assert _mapped_block(default_env)["mapped"] == 0
