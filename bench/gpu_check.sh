@@ -10,8 +10,9 @@
 # itself unavailable). Everything lands in one folder, $OUT or else gpu_check_results/: env.txt,
 # pytest.log, bench_<case>.log, kernels.csv, kernels_<case>.json, logs/ of failed benchmark
 # workers, train_run/ and train_run.log (the trainer steps) and gpu_check.log (this script's
-# whole output). Every step runs under `timeout`, so the whole check stays under 9 minutes; the
-# last line is a one-line summary. GPU_CHECK_BENCH_ARGS
+# whole output). Every step runs under `timeout`, so the whole check stays under 9 minutes
+# (GPU_CHECK_SECONDS shortens it); the last line is a one-line summary. GPU_CHECK_CASES lists the
+# kernel benchmark's cases as case:seconds. GPU_CHECK_BENCH_ARGS
 # adds arguments to every benchmark call (e.g. "--scale 0.05 --impls eager,torch" for a dry run
 # on a CPU-only machine).
 set -uo pipefail
@@ -26,8 +27,14 @@ echo "== cod-fast gpu_check $(date -u +%FT%TZ) repo=$REPO out=$OUT"
     echo "gpu_check: run from the repository root"
     exit 2
 }
+# Some images name their interpreter only `python3`: give it the name `python` for every step.
+if ! command -v python >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1; then
+    mkdir -p /tmp/cod_fast_pybin && ln -sf "$(command -v python3)" /tmp/cod_fast_pybin/python
+    export PATH=/tmp/cod_fast_pybin:$PATH
+fi
 unset TRITON_INTERPRET  # the GPU runs the compiled kernels, not the interpreter
-DEADLINE=$((SECONDS + 520))  # every step's limit is cut to what is left of ~8.7 minutes
+# Every step's limit is cut to what is left of GPU_CHECK_SECONDS (default 520, ~8.7 minutes).
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-520}))
 limit() {                    # limit WANTED: WANTED seconds, or what is left if that is less
     local left=$((DEADLINE - SECONDS))
     echo $((left < $1 ? (left > 1 ? left : 1) : $1))
@@ -124,7 +131,7 @@ fi
 BENCH=()
 CSV_START=$(wc -l <"$OUT/kernels.csv" 2>/dev/null || echo 0)  # rows before this check's
 if [ "$IMPORT_RC" -eq 0 ]; then
-    for spec in h100:100 dense:45 cod-packed:45 wide-vocab:45; do
+    for spec in ${GPU_CHECK_CASES:-h100:100 dense:45 cod-packed:45 wide-vocab:45}; do
         case_name=${spec%%:*}
         lim=$(limit "${spec##*:}")
         echo "== benchmark $case_name (limit $lim s)"

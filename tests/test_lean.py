@@ -159,8 +159,9 @@ def test_load_policy_makes_the_model_lean_unless_configured_off(lean):
 
 @pytest.mark.gpu
 def test_lean_on_cuda_matches_the_float64_reference():
-    reference = exact_norms(qwen3())
-    lean = qwen3(torch.float32).cuda()
+    base = qwen3()  # the float32 copy must hold the same weights (qwen3(float32) draws others)
+    lean = copy.deepcopy(base).float().cuda()
+    reference = exact_norms(base)
     make_lean(lean)
     ids = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(8))
     _, ref_grads = forward_backward(reference, ids, seed=9)

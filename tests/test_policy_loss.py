@@ -23,6 +23,7 @@ from cod_fast.ops import (
 from cod_fast.ops.chunked import fused_linear_policy_loss
 from cod_fast.ops.dispatch import is_available
 from cod_fast.ops.eager import eager_logprobs, eager_policy_loss
+from cod_fast.ops.loss_terms import PolicyLossOutput
 from tests.reference import assert_within_budget
 
 
@@ -81,12 +82,38 @@ CONFIGS = [
 ]
 
 
+# Triton runs compiled on a GPU (its tensors must live there) and interpreted on the CPU.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(fn, device):
+    """`fn` with its tensor arguments moved to `device` and the tensors of its result (a
+    PolicyLossOutput, a tensor or a tuple of them) moved back to the CPU; both moves are
+    differentiable, so gradients reach the CPU leaves the tests compare."""
+    if device == "cpu":
+        return fn
+
+    def move(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    def wrapped(*args, **kwargs):
+        out = fn(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+        if isinstance(out, PolicyLossOutput):
+            metrics = {k: v.cpu() for k, v in out.metrics.items()}
+            return PolicyLossOutput(out.loss.cpu(), out.logp.cpu(), metrics)
+        return out.cpu() if isinstance(out, torch.Tensor) else tuple(t.cpu() for t in out)
+
+    return wrapped
+
+
 def loss_fn(impl):
-    """The public loss with `impl`, or for "fused-torch" the fused chunked driver run with the
-    torch row kernels (the closed-form head that the C++ and Triton kernels implement)."""
+    """The public loss with `impl` (on Triton's device), or for "fused-torch" the fused chunked
+    driver run with the torch row kernels (the closed-form head that the C++ and Triton kernels
+    implement)."""
     if impl == "fused-torch":
         return _fused_torch
-    return functools.partial(linear_policy_loss, impl=impl)
+    fn = functools.partial(linear_policy_loss, impl=impl)
+    return on_device(fn, TRITON_DEVICE) if impl == "triton" else fn
 
 
 def _fused_torch(hidden, weight, targets, advantages, segment_ids, *, config, **logps):
@@ -171,7 +198,8 @@ def check_all(results, slack=1e-5):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Chunks of 5 rows at V=507, so the chunk loop of every implementation is exercised."""
-    monkeypatch.setitem(chunked.CHUNK_BYTES, "cpu", 507 * 4 * 5)
+    for kind in ("cpu", "cuda"):
+        monkeypatch.setitem(chunked.CHUNK_BYTES, kind, 507 * 4 * 5)
 
 
 @pytest.mark.parametrize("impl", impl_params())
@@ -386,7 +414,9 @@ def test_triton_no_grad_logprobs_use_fused_lse(dtype):
     case = make_case(n=21, hidden=40, vocab=97, dtype=dtype, seed=5)
     args = (case["hidden"], case["weight"], case["targets"])
     with torch.no_grad():
-        logp, ent = linear_logprobs(*args, temperature=0.7, return_entropy=True, impl="triton")
+        logp, ent = on_device(linear_logprobs, TRITON_DEVICE)(
+            *args, temperature=0.7, return_entropy=True, impl="triton"
+        )
     truth = eager_logprobs(*args, temperature=0.7, dtype=torch.float64)
     eager = eager_logprobs(*args, temperature=0.7, dtype=dtype)
     assert logp.dtype == torch.float32

@@ -221,17 +221,23 @@ def token_loss(t, logp, entropy, inputs, sw):
 
 
 def fused_truth(z, targets, inv_temp, inputs, sw, dtype):
-    """(logp, entropy, loss, clipped, dz) of the head over log_softmax, by autograd in `dtype`."""
+    """(logp, entropy, loss, clipped, dz, |d loss / d logp| * |logp|) of the head over
+    log_softmax, by autograd in `dtype`. The last is each token's loss change per unit relative
+    error of its logp: the scale at which logp's rounding reaches the loss."""
     z = z.to(dtype).requires_grad_()
     logp, entropy, _ = eager_rows(z, targets, inv_temp, dtype)
     per_token = [token_loss(t, logp, entropy, inputs, sw) for t in range(z.shape[0])]
     loss = torch.stack([value for value, _ in per_token])
+    (dloss_dlogp,) = torch.autograd.grad(
+        loss.sum(), logp, retain_graph=True, allow_unused=True, materialize_grads=True
+    )  # unused: a sequence-level ratio reads logp through seq_grad only
     total = loss.sum()
     if sw["seq_level"]:
         total = total + (inputs["seq_grad"].to(dtype) * logp).sum()
     total.backward()
     clipped = torch.tensor([float(c) for _, c in per_token])
-    return logp.detach(), entropy.detach(), loss.detach(), clipped, z.grad
+    sensitivity = (dloss_dlogp * logp).detach().abs()
+    return logp.detach(), entropy.detach(), loss.detach(), clipped, z.grad, sensitivity
 
 
 def check_fused(c, vocab, temperature, block_v, policy, kl, seq_level, on_policy, entropy_coef):
@@ -263,10 +269,15 @@ def check_fused(c, vocab, temperature, block_v, policy, kl, seq_level, on_policy
     )
     truth = fused_truth(z, targets, inv_temp, inputs, sw, torch.float64)
     eager = fused_truth(z, targets, inv_temp, inputs, sw, torch.float32)
-    for name, g, e, t in zip(
-        ("logp", "entropy", "loss"), got[:3], eager[:3], truth[:3], strict=True
-    ):
-        assert_within_budget(name, g.cpu(), e, t)
+    # The loss inherits logp's relative rounding through d loss / d logp (|logp| reaches 68
+    # here): its slack scale includes that, so a logp within its own budget (rounded as a GPU's
+    # approximate exp2/log2 round it, say) passes on the loss too.
+    loss_scale = max(float(truth[2].abs().max()), float(truth[5].max()))
+    for name, g, e, t, scale in zip(
+        ("logp", "entropy", "loss"), got[:3], eager[:3], truth[:3], (None, None, loss_scale),
+        strict=True,
+    ):  # fmt: skip
+        assert_within_budget(name, g.cpu(), e, t, scale=scale)
     assert torch.equal(got[3].cpu(), truth[3]), f"clipped {got[3].tolist()} != {truth[3].tolist()}"
     assert_within_budget("dz", view.cpu(), eager[4], truth[4])
     assert_sentinel_intact(buf.cpu(), c, vocab)
