@@ -28,10 +28,23 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from cod_fast.rollout.fast_decode import FastDecoder
 from cod_fast.rollout.sampler import Sample
 
 BUCKET_RATIO = 1.25
 """A bucket's longest prompt is at most this many times its shortest: at most ~20% padding."""
+
+
+def distinct_prompts(prompts: list[list[int]]) -> list[list[int]]:
+    """The indices of equal prompts grouped, in order of first appearance."""
+    first: dict[tuple[int, ...], int] = {}
+    copies: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        j = first.setdefault(tuple(prompt), len(copies))
+        if j == len(copies):
+            copies.append([])
+        copies[j].append(i)
+    return copies
 
 
 def length_buckets(
@@ -82,6 +95,16 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
     return logp.masked_fill(drop, -math.inf).log_softmax(dim=-1)
 
 
+def draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """[B, 1] token ids drawn from the rows of `logp` [B, V] (log-probs, -inf for excluded
+    tokens): the exponential race argmax_v p_v / E_v with E_v ~ Exp(1), an exact sampler (the
+    Gumbel-max trick in another form). On a CPU it costs a few elementwise passes where
+    torch.multinomial took 150 us per call for 32 rows of 334 tokens."""
+    race = torch.empty_like(logp).exponential_(generator=generator)
+    race.clamp_(min=torch.finfo(race.dtype).tiny)  # a 0 would turn an excluded 0/0 into NaN
+    return (logp.exp() / race).argmax(dim=-1, keepdim=True)
+
+
 def _cache_keyword(model) -> str:
     """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns
     until 5.40); 5.17 knows only `past_key_values`. The signature says which this model takes."""
@@ -113,6 +136,7 @@ class TorchSampler:
         top_p: float = 1.0,
         seed: int = 0,
         max_batch_tokens: int = 65536,
+        fast_decode: bool = True,
     ):
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(
@@ -139,6 +163,8 @@ class TorchSampler:
         self.generator.manual_seed(seed)
         self.calls = 0
         self._cache_kw = _cache_keyword(model)
+        self.fast_decode = fast_decode
+        self.decode_path = ""  # set by each call: "fast", or "transformers (why not fast)"
 
     # --- checkpointing -------------------------------------------------------------------------
 
@@ -169,10 +195,20 @@ class TorchSampler:
         self.model.eval()
         try:
             with torch.inference_mode():
-                buckets = length_buckets([len(p) for p in prompts], self.max_batch_tokens)
-                prefilled = [self._prefill([prompts[i] for i in bucket]) for bucket in buckets]
-                order = [i for bucket in buckets for i in bucket]
-                samples = self._decode(*self._join(prefilled), [max_new_tokens[i] for i in order])
+                # Equal prompts (a group's members) are prefilled once; each copy then decodes
+                # from that prompt's cache row.
+                copies = distinct_prompts(prompts)
+                distinct = [prompts[same[0]] for same in copies]
+                buckets = length_buckets([len(p) for p in distinct], self.max_batch_tokens)
+                decoder = self._decoder()
+                prefilled = [
+                    self._prefill(decoder, [distinct[j] for j in bucket]) for bucket in buckets
+                ]
+                flat = [j for bucket in buckets for j in bucket]
+                order = [i for j in flat for i in copies[j]]
+                rows = [row for row, j in enumerate(flat) for _ in copies[j]]
+                caps = [max_new_tokens[i] for i in order]
+                samples = self._decode(decoder, *self._join(prefilled), rows, caps)
         finally:
             self.model.train(was_training)
         out: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]
@@ -211,15 +247,14 @@ class TorchSampler:
         )
         return out.logits[:, -1]
 
-    def _prefill(self, prompts: list[list[int]]):
+    def _prefill(self, decoder, prompts: list[list[int]]):
         """One left-padded batch through the model: (cache, last logits [B, V], mask [B, W],
         next positions [B, 1])."""
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
         # Every prompt's positions start at 0 whatever its padding (pads get 0, and are masked).
         positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, positions, cache)
+        cache, logits = decoder.prefill(ids, mask, positions)
         return cache, logits, mask, positions[:, -1:] + 1
 
     def _join(self, prefilled):
@@ -238,15 +273,29 @@ class TorchSampler:
         next_pos = torch.cat([p for _, _, _, p in prefilled])
         return cache, logits, mask, next_pos
 
-    def _decode(self, cache, logits, mask, next_pos, caps: list[int]) -> list[Sample]:
-        """Sample until every row stopped or reached its cap; finished rows leave the batch."""
+    def _decoder(self):
+        """Decode steps without transformers' module stack where the model allows
+        (cod_fast.rollout.fast_decode; checked at every call, since hooks or adapters may come
+        and go), else through its forward; `decode_path` records which and why."""
+        why = FastDecoder.supports(self.model) if self.fast_decode else "fast_decode=False"
+        self.decode_path = "fast" if why is None else f"transformers ({why})"
+        return FastDecoder(self.model) if why is None else _ModuleDecoder(self)
+
+    def _decode(
+        self, decoder, cache, logits, mask, next_pos, rows: list[int], caps: list[int]
+    ) -> list[Sample]:
+        """Sample until every row stopped or reached its cap; finished rows leave the batch.
+        The prefilled batch row rows[i] (repeats allowed) starts response i."""
+        index = torch.tensor(rows, device=self.device)
+        decoder.start(cache, mask, max(caps), index)
+        logits, mask, next_pos = logits[index], mask[index], next_pos[index]
         tokens: list[list[int]] = [[] for _ in caps]
         logps: list[list[float]] = [[] for _ in caps]
         finish = ["length"] * len(caps)
         rows = list(range(len(caps)))  # the prompt each live batch row belongs to
         while True:
             logp = processed_logprobs(logits, self.temperature, self.top_p)
-            tok = torch.multinomial(logp.exp(), 1, generator=self.generator)  # [B, 1]
+            tok = draw(logp, self.generator)  # [B, 1]
             picked = logp.gather(-1, tok)
             keep = []
             # One host sync per step: the stop test needs the tokens.
@@ -265,11 +314,10 @@ class TorchSampler:
             if len(keep) < len(rows):
                 # Finished rows leave the batch: no more compute or cache for them.
                 idx = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(idx)
-                mask, next_pos, tok = mask[idx], next_pos[idx], tok[idx]
+                decoder.select(idx)
+                next_pos, tok = next_pos[idx], tok[idx]
                 rows = [rows[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-            logits = self._forward(tok, mask, next_pos, cache)
+            logits = decoder.step(tok, next_pos)
             next_pos = next_pos + 1
         return [
             Sample(token_ids=t, logprobs=lp, finish_reason=f)
@@ -312,3 +360,27 @@ class TorchSampler:
         if missing:
             raise ValueError(f"push_weights: no tensor was given for {missing}")
         return len(seen)
+
+
+class _ModuleDecoder:
+    """Decode steps through the model's own forward and transformers' cache (FastDecoder's
+    interface), for the architectures FastDecoder does not cover."""
+
+    def __init__(self, sampler: TorchSampler):
+        self.forward, self.config = sampler._forward, sampler.model.config
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
+        cache = DynamicCache(config=self.config)
+        return cache, self.forward(ids, mask, positions, cache)
+
+    def start(self, cache, mask: torch.Tensor, new_tokens: int, index: torch.Tensor) -> None:
+        cache.batch_select_indices(index)
+        self.cache, self.mask = cache, mask[index]
+
+    def select(self, index: torch.Tensor) -> None:
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
+        return self.forward(tokens, self.mask, positions, self.cache)
