@@ -190,10 +190,15 @@ class Trainer:
 
     def _optimizer(self, warm: bool) -> torch.optim.Optimizer:
         train = self.cfg.train
+        # One process: torch's fused AdamW (one kernel per parameter; on the CPU a third of the
+        # per-parameter loop's time for the tiny model). Under FSDP2 the default, which takes
+        # DTensor parameters everywhere.
+        fused = self.ctx.world_size == 1 and self.device.type in ("cpu", "cuda")
         return torch.optim.AdamW(
             self.policy.parameters(),
             lr=train.warm_start_lr if warm else train.lr,
             weight_decay=train.weight_decay,
+            fused=fused or None,
         )
 
     def _warm_start_lr(self) -> float:
