@@ -294,6 +294,10 @@ class RolloutConfig(_Config):
     vllm_gpu_memory_utilization: float = 0.5
     """Share of GPU memory vLLM may take; the trainer needs the rest. (On the CPU the adapter
     sizes vLLM's KV cache itself.)"""
+    torch_fast_decode: bool = True
+    """The torch sampler decodes from the model's parameters without transformers' module
+    stack where the architecture allows (cod_fast.rollout.fast_decode; same samples); false
+    decodes through the model's forward."""
     vllm_eager: bool = False
     """Run vLLM without torch.compile / CUDA graphs: on the CPU it starts in 3-5 s instead of
     30-40 s and samples somewhat slower (0.85-0.96x in `cod-fast bench sampler`)."""

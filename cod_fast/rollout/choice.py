@@ -116,7 +116,14 @@ def build_samplers(
     sampler_model = copy.deepcopy(model) if owns else model
 
     def make(s: int, t: float) -> TorchSampler:
-        return TorchSampler(sampler_model, tokenizer, temperature=t, top_p=top_p, seed=s)
+        return TorchSampler(
+            sampler_model,
+            tokenizer,
+            temperature=t,
+            top_p=top_p,
+            seed=s,
+            fast_decode=cfg.rollout.torch_fast_decode,
+        )
 
     train, evaluation = make(seed, temperature), make(eval_seed, eval_temperature)
     return RunSamplers(kind, reason, train, evaluation, owns_weights=owns)

@@ -23,9 +23,10 @@ Llama, Mistral) with SiLU-gated MLPs, full attention in every layer and default 
 (the model's own rotary module computes cos and sin), built of plain `nn.Linear`/`nn.Embedding`
 modules with no forward hooks and no replaced forward (cod_fast.lean's excepted: same
 arithmetic). `FastDecoder.supports` says why any other model is refused (an adapter such as
-LoRA, a hook that edits logits, a sliding window); the sampler then decodes through transformers. The RMSNorm computes as
-cod_fast.lean does (float32 inside for 16-bit and float32 inputs, float64 for float64), which is
-transformers' arithmetic except that transformers rounds float64 to float32.
+LoRA, a hook that edits logits, a sliding window); the sampler then decodes through
+transformers. The RMSNorm computes as cod_fast.lean does (float32 inside for 16-bit and float32
+inputs, float64 for float64), which is transformers' arithmetic except that transformers rounds
+float64 to float32.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, heads, 1, d] (halves layout, as transformers')."""
+    """Rotary embedding of x [B, heads, T, d] (halves layout, as transformers')."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
