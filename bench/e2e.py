@@ -41,8 +41,8 @@ Contenders, each in its own process (a worker whose last stdout line is JSON):
   sample, decode, reward, then the trainer's own `_update` (advantages, packing, Policy +
   train_step with the fused loss, the C++ kernels on the CPU, clip, AdamW) and weight push.
   The sampler is `--cod-sampler`; `auto` takes the faster one per size measured by `cod-fast
-  bench sampler` (README): the torch sampler for `tiny`, vLLM for `small` (the torch sampler when
-  vLLM is not installed; an explicit `vllm` without vLLM is skipped). vLLM's engine start is
+  bench sampler` (README): now the torch sampler for both sizes (an explicit `vllm` without
+  vLLM is skipped). vLLM's engine start is
   `start s`, outside the step; the weight push into the engine after each update is `push s`,
   inside it.
 - `trl`: `GRPOTrainer` of TRL >= 1.16 with its default CPU generation (transformers `generate`,
@@ -149,8 +149,9 @@ MULTITURN_PRESET = "tiny-cpu"
 """The reference row's CoD step."""
 CONTENDERS = ("cod-fast", "trl", "cod-multiturn")
 SIZES = ("tiny", "small")
-COD_SAMPLER = {"tiny": "torch", "small": "vllm"}
-"""`--cod-sampler auto`: the faster sampler per size in `cod-fast bench sampler` (README)."""
+COD_SAMPLER = {"tiny": "torch", "small": "torch"}
+"""`--cod-sampler auto`: the faster sampler per size in `cod-fast bench sampler` (README; vLLM
+was faster for `small` until the torch sampler's fast decode path)."""
 PRELOAD_COD = (*PRELOAD, "cod_fast.trainer")
 PRELOAD_TRL = ("datasets", "trl", "trl.trainer.grpo_trainer")
 # Columns of the CSV and of the table where they have a header: (key, header, format).
@@ -471,7 +472,7 @@ def _parse_args(argv):
         "--cod-sampler",
         default="auto",
         choices=("auto", "torch", "vllm"),
-        help="cod-fast's sampler; auto: torch for tiny, vllm for small",
+        help="cod-fast's sampler; auto: the faster per size in bench sampler (torch)",
     )
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for results")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")

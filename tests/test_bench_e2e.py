@@ -81,7 +81,7 @@ def test_task_prompts_are_the_drivers_first_prompts():
     ("size", "asked", "has_vllm", "expected"),
     [
         ("tiny", "auto", True, ("torch", None)),
-        ("small", "auto", True, ("vllm", None)),
+        ("small", "auto", True, (e2e.COD_SAMPLER["small"], None)),
         ("small", "auto", False, ("torch", None)),
         ("tiny", "vllm", True, ("vllm", None)),
         ("tiny", "torch", False, ("torch", None)),
@@ -90,6 +90,12 @@ def test_task_prompts_are_the_drivers_first_prompts():
 def test_cod_sampler_choice(size, asked, has_vllm, expected):
     """auto takes the measured-faster sampler per size, the torch sampler without vLLM."""
     assert e2e._cod_sampler(size, asked, has_vllm) == expected
+
+
+def test_auto_falls_back_to_torch_where_vllm_would_be_taken_but_is_missing(monkeypatch):
+    monkeypatch.setitem(e2e.COD_SAMPLER, "small", "vllm")
+    assert e2e._cod_sampler("small", "auto", True) == ("vllm", None)
+    assert e2e._cod_sampler("small", "auto", False) == ("torch", None)
 
 
 def test_missing_packages_are_skipped_not_a_crash(tmp_path, monkeypatch):
