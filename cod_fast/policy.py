@@ -42,14 +42,20 @@ class Policy(torch.nn.Module):
         """`loss`: the policy loss of the micro-batch (SPEC.md section 4) with the step's
         `denominator`; `logprobs`: float32 log-probs [N] of its targets at the loss's temperature
         (old-policy recompute, the reference model)."""
-        hidden = packed_hidden_states(self.model, mb)[mb.trainable_idx]
+        states = packed_hidden_states(self.model, mb)
         weight = lm_head_weight(self.model)
         if mode == "logprobs":
             return linear_logprobs(
-                hidden, weight, mb.targets, temperature=config.temperature, impl=self.impl
+                states[mb.trainable_idx],
+                weight,
+                mb.targets,
+                temperature=config.temperature,
+                impl=self.impl,
             )
+        # The loss gathers the trainable rows itself, scoring rows that several members share
+        # (equal responses in a prefix tree) once per target.
         return linear_policy_loss(
-            hidden,
+            states,
             weight,
             mb.targets,
             mb.advantages,
@@ -61,4 +67,5 @@ class Policy(torch.nn.Module):
             config=config,
             denominator=denominator,
             impl=self.impl,
+            rows=mb.trainable_idx,
         )

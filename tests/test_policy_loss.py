@@ -17,6 +17,7 @@ from cod_fast.ops import (
     aggregation_denominator,
     chunked,
     linear_logprobs,
+    linear_loss,
     linear_policy_loss,
     torch_rows,
 )
@@ -569,3 +570,57 @@ def test_opd_steps_on_own_samples_move_the_student_to_its_teacher():
         after = reverse_kl(weight.detach())
         assert after.mean() < 0.2 * before.mean(), (impl, before.mean(), after.mean())
         assert (after < before).float().mean() > 0.9, impl
+
+
+@pytest.mark.parametrize("impl", [name for name in impl_params() if name != "fused-torch"])
+@pytest.mark.parametrize("share", [linear_loss.DEDUPE_SHARE, 0.0], ids=["scored-once", "gathered"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(),
+        LossConfig(
+            policy="rec_one_side", kl="k3", beta=0.1, entropy_coef=0.01,
+            agg="seq-mean-token-sum", max_response_len=20,
+        ),
+        LossConfig(ratio_level="sequence", agg="seq-mean-token-mean", temperature=0.8),
+    ],
+    ids=["ppo", "rec-k3-entropy", "sequence"],
+)  # fmt: skip
+def test_rows_given_match_the_gathered_rows(cfg, share, impl, monkeypatch, small_chunks):
+    """`rows` (a shared-prefix tree's trainable rows): 48 tokens read 12 of 19 hidden rows, most
+    pairs repeated (members with equal responses), some rows with two targets (a branch point).
+    Scored once per distinct (row, target) pair, or gathered per token when the pairs are too
+    many (share 0): loss, log-probs and the gradients of all rows and of W within the float32
+    eager budget of float64 over the gathered rows."""
+    monkeypatch.setattr(linear_loss, "DEDUPE_SHARE", share)
+    g = torch.Generator().manual_seed(4)
+    n_rows, n, width, vocab = 19, 48, 40, 97
+    hidden = torch.randn(n_rows, width, generator=g)
+    weight = torch.randn(vocab, width, generator=g) * (4.0 / width**0.5)
+    rows = torch.randint(0, 12, (n,), generator=g)
+    targets = torch.randint(0, vocab, (n_rows,), generator=g)[rows]
+    targets[::7] = torch.randint(0, vocab, (len(targets[::7]),), generator=g)
+    assert torch.unique(rows * vocab + targets).numel() <= n / 2  # most pairs repeated
+    seg = torch.arange(n) // 8 * 3 + 1
+    adv = torch.randn(int(seg.max()) + 1, generator=g)[seg]
+    with torch.no_grad():
+        base = eager_logprobs(hidden[rows], weight, targets, cfg.temperature, torch.float64)[0]
+    old, roll, ref = (base.float() + s * torch.randn(n, generator=g) for s in (0.2, 0.3, 0.3))
+    results = {}
+    for name, dt in (("fast", torch.float32), ("eager", torch.float32), ("truth", torch.float64)):
+        h = hidden.to(dt, copy=True).requires_grad_()
+        w = weight.to(dt, copy=True).requires_grad_()
+        if name == "fast":
+            fn = loss_fn(impl)
+            out = fn(h, w, targets, adv, seg, old_logp=old, rollout_logp=roll, ref_logp=ref,
+                     config=cfg, rows=rows)  # fmt: skip
+            loss, logp = out.loss, out.logp
+        else:
+            loss, logp, magnitude = eager_policy_loss(
+                h[rows], w, targets, adv, seg, cfg, old=old, roll=roll, ref=ref, dtype=dt,
+                with_magnitude=True,
+            )  # fmt: skip
+            results["magnitude"] = magnitude
+        loss.backward()
+        results[name] = (loss, logp, h.grad, w.grad)
+    check_all(results)

@@ -3,6 +3,15 @@
 The `torch` implementation takes the chunked log-probs and differentiates the loss with autograd
 (`policy_loss_from_logp`); `cpp` and `triton` run the fused chunked driver, where the closed-form
 head turns each chunk's logits into gradients while they are at hand.
+
+Repeated rows. In a shared-prefix tree (cod_fast.prefix_tree) the members of a group that wrote
+the same response read the same hidden rows with the same targets, and each of them still needs
+its own loss term (its own advantage). Given `rows`, the tokens' indices into all rows of the
+micro-batch, each distinct (row, target) pair is scored once: its log-prob and entropy come from
+the chunked log-prob kernels and are repeated per token, and autograd sums the tokens' gradients
+back onto the pair. That path streams the LM head four times per chunk (logits, then in the
+backward logits again, dh, dW) where the fused driver streams it three times, so it is taken when
+the distinct pairs are at most DEDUPE_SHARE of the tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +24,9 @@ from cod_fast.ops.dispatch import resolve_impl, row_kernels
 from cod_fast.ops.logprobs import check_logprob_inputs, linear_logprobs
 from cod_fast.ops.loss_terms import LossInputs, PolicyLossOutput
 from cod_fast.ops.policy_loss import policy_loss_from_logp
+
+DEDUPE_SHARE = 0.75
+"""Score distinct (row, target) pairs once when they are at most this share of the tokens."""
 
 
 def linear_policy_loss(
@@ -31,6 +43,7 @@ def linear_policy_loss(
     config: LossConfig,
     denominator: float | None = None,
     impl: str | None = None,
+    rows: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """The policy loss of SPEC.md section 4 straight from hidden states and the LM head.
 
@@ -38,8 +51,14 @@ def linear_policy_loss(
     targets/advantages/segment_ids and the optional log-probs [N]. Returns `.loss` (float32
     scalar, float64 for float64 operands; differentiable in hidden and weight), `.logp` [N]
     (detached) and `.metrics`. `denominator` fixes the aggregation's D for a whole optimizer step
-    (see `aggregation_denominator`); None uses this call's own tokens and segments.
+    (see `aggregation_denominator`); None uses this call's own tokens and segments. With `rows`
+    [N], hidden holds every row of a packed micro-batch and token t reads hidden[rows[t]]; equal
+    (row, target) pairs are then scored once (see the module docstring): the same loss,
+    log-probs and gradients.
     """
+    num_tokens, repeat = targets.shape[0], None
+    if rows is not None:
+        hidden, targets, repeat = _distinct_pairs(hidden, weight, targets, rows)
     check_logprob_inputs(hidden, weight, targets, config.temperature)
     inputs = LossInputs(
         advantages,
@@ -50,14 +69,35 @@ def linear_policy_loss(
         teacher_logp=teacher_logp,
         denominator=denominator,
     )
-    inputs.check(targets.shape[0])
+    inputs.check(num_tokens)
     dtype = compute_dtype(hidden, weight)
     name, _ = resolve_impl(impl, hidden.device, dtype)
-    if name != "torch":
-        rows = row_kernels(name, dtype)
-        return fused_linear_policy_loss(rows, hidden, weight, targets.long(), inputs, config=config)
+    if name != "torch" and repeat is None:
+        kernels = row_kernels(name, dtype)
+        return fused_linear_policy_loss(
+            kernels, hidden, weight, targets.long(), inputs, config=config
+        )
     logp, entropy = linear_logprobs(
-        hidden, weight, targets, temperature=config.temperature, return_entropy=True, impl="torch"
+        hidden, weight, targets, temperature=config.temperature, return_entropy=True, impl=name
     )
+    if repeat is not None:
+        logp, entropy = logp[repeat], entropy[repeat]
     loss, metrics = policy_loss_from_logp(logp, inputs, config=config, entropy=entropy)
     return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
+
+
+def _distinct_pairs(hidden, weight, targets, rows):
+    """(hidden rows, targets, repeat) to score: the distinct (row, target) pairs and, for each
+    token, its pair (when they are at most DEDUPE_SHARE of the tokens); else the tokens' own
+    rows and targets and None."""
+    if rows.dim() != 1 or rows.shape != targets.shape:
+        raise ValueError(
+            f"rows must be [N] like targets, got {tuple(rows.shape)} and {tuple(targets.shape)}"
+        )
+    rows = rows.to(hidden.device).long()
+    pairs = rows * weight.shape[0] + targets.to(hidden.device).long()
+    distinct, repeat = torch.unique(pairs, return_inverse=True)
+    if distinct.numel() > DEDUPE_SHARE * pairs.numel():
+        return hidden[rows], targets, None
+    vocab = weight.shape[0]
+    return hidden[distinct // vocab], (distinct % vocab).to(targets.dtype), repeat

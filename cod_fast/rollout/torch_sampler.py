@@ -13,6 +13,9 @@ The buckets' KV caches are then left-padded to one width and joined, and ONE dec
 for the whole call, one token per step, rows leaving the batch (and the cache) as soon as they
 stop or reach their own cap: a decode step costs about the same for 8 rows as for 64 (per-step
 overhead on a CPU, memory bandwidth on a GPU), so separate loops per bucket would multiply it.
+Equal prompts (a group's members) are prefilled once and their copies decode from its cache
+rows. Prefill and decode run through cod_fast.rollout.fast_decode where the model allows (the
+same arithmetic without transformers' module stack), else through the model's forward.
 Randomness comes from the sampler's own generator, never the global RNG: the trainer's
 bit-for-bit resume depends on the global state, and `state_dict` lets a resumed run draw the
 same samples.
@@ -206,9 +209,9 @@ class TorchSampler:
                 ]
                 flat = [j for bucket in buckets for j in bucket]
                 order = [i for j in flat for i in copies[j]]
-                rows = [row for row, j in enumerate(flat) for _ in copies[j]]
+                starts = [row for row, j in enumerate(flat) for _ in copies[j]]
                 caps = [max_new_tokens[i] for i in order]
-                samples = self._decode(decoder, *self._join(prefilled), rows, caps)
+                samples = self._decode(decoder, *self._join(prefilled), starts, caps)
         finally:
             self.model.train(was_training)
         out: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]
@@ -282,13 +285,13 @@ class TorchSampler:
         return FastDecoder(self.model) if why is None else _ModuleDecoder(self)
 
     def _decode(
-        self, decoder, cache, logits, mask, next_pos, rows: list[int], caps: list[int]
+        self, decoder, cache, logits, mask, next_pos, starts: list[int], caps: list[int]
     ) -> list[Sample]:
         """Sample until every row stopped or reached its cap; finished rows leave the batch.
-        The prefilled batch row rows[i] (repeats allowed) starts response i."""
-        index = torch.tensor(rows, device=self.device)
+        Response i starts from the prefilled batch row starts[i] (repeats allowed)."""
+        index = torch.tensor(starts, device=self.device)
         decoder.start(cache, mask, max(caps), index)
-        logits, mask, next_pos = logits[index], mask[index], next_pos[index]
+        logits, next_pos = logits[index], next_pos[index]
         tokens: list[list[int]] = [[] for _ in caps]
         logps: list[list[float]] = [[] for _ in caps]
         finish = ["length"] * len(caps)
