@@ -20,6 +20,7 @@ import torch
 from cod_fast.config import LossConfig
 from cod_fast.model import lm_head_weight, packed_hidden_states
 from cod_fast.ops import PolicyLossOutput, linear_logprobs, linear_policy_loss
+from cod_fast.ops.linear_loss import distinct_pairs
 from cod_fast.packing import MicroBatch
 
 
@@ -44,14 +45,14 @@ class Policy(torch.nn.Module):
         (old-policy recompute, the reference model)."""
         states = packed_hidden_states(self.model, mb)
         weight = lm_head_weight(self.model)
-        if mode == "logprobs":
-            return linear_logprobs(
-                states[mb.trainable_idx],
-                weight,
-                mb.targets,
-                temperature=config.temperature,
-                impl=self.impl,
+        if mode == "logprobs":  # no gradient: scoring a repeated pair once only saves work
+            hidden, targets, repeat = distinct_pairs(
+                states, weight, mb.targets, mb.trainable_idx, share=1.0
             )
+            logp = linear_logprobs(
+                hidden, weight, targets, temperature=config.temperature, impl=self.impl
+            )
+            return logp if repeat is None else logp[repeat]
         # The loss gathers the trainable rows itself, scoring rows that several members share
         # (equal responses in a prefix tree) once per target.
         return linear_policy_loss(

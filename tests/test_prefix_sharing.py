@@ -15,6 +15,7 @@ from cod_fast import LossConfig
 from cod_fast.attention import KERNELS
 from cod_fast.lean import make_lean
 from cod_fast.model import packed_hidden_states
+from cod_fast.ops import linear_loss
 from cod_fast.packing import (
     Segment,
     Sequence,
@@ -166,9 +167,12 @@ def test_tree_hidden_states_equal_the_flat_layouts(attn):
     ids=["rec-token", "ppo-sequence"],
 )
 @pytest.mark.parametrize("seed", [2, 3])
-def test_tree_loss_and_gradients_equal_the_flat_layouts(cfg, seed):
-    """The policy loss, its log-probs and every parameter gradient: identical up to float64
-    rounding whether the micro-batch shares prefixes or not."""
+@pytest.mark.parametrize("dedupe", [0.0, 1.0], ids=["per-token", "scored-once"])
+def test_tree_loss_and_gradients_equal_the_flat_layouts(cfg, seed, dedupe, monkeypatch):
+    """The policy loss, its log-probs (from the loss and from `logprobs` mode) and every
+    parameter gradient: identical up to float64 rounding whether the micro-batch shares
+    prefixes or not, with the tree's repeated (row, target) pairs scored per token or once."""
+    monkeypatch.setattr(linear_loss, "DEDUPE_SHARE", dedupe)
     sequences = _group_sequences(random.Random(seed))
     results = []
     for share in (False, True):
@@ -177,7 +181,12 @@ def test_tree_loss_and_gradients_equal_the_flat_layouts(cfg, seed):
         out = policy(mb, config=cfg)
         out.loss.backward()
         grads = {n: p.grad for n, p in policy.named_parameters()}
+        with torch.no_grad():
+            logp = policy(mb, config=cfg, mode="logprobs")
+        torch.testing.assert_close(logp, out.logp, atol=1e-12, rtol=1e-10)
         results.append((out.loss.detach(), out.logp, grads))
+    repeats = mb.trainable_idx.numel() - torch.unique(mb.trainable_idx).numel()
+    assert repeats > 0  # the tree scores some rows for several tokens
     (l0, p0, g0), (l1, p1, g1) = results
     torch.testing.assert_close(l1, l0, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(p1, p0, atol=1e-12, rtol=1e-10)

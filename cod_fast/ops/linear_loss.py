@@ -58,7 +58,7 @@ def linear_policy_loss(
     """
     num_tokens, repeat = targets.shape[0], None
     if rows is not None:
-        hidden, targets, repeat = _distinct_pairs(hidden, weight, targets, rows)
+        hidden, targets, repeat = distinct_pairs(hidden, weight, targets, rows, DEDUPE_SHARE)
     check_logprob_inputs(hidden, weight, targets, config.temperature)
     inputs = LossInputs(
         advantages,
@@ -86,10 +86,10 @@ def linear_policy_loss(
     return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
 
 
-def _distinct_pairs(hidden, weight, targets, rows):
-    """(hidden rows, targets, repeat) to score: the distinct (row, target) pairs and, for each
-    token, its pair (when they are at most DEDUPE_SHARE of the tokens); else the tokens' own
-    rows and targets and None."""
+def distinct_pairs(hidden, weight, targets, rows, share: float):
+    """(hidden rows, targets, repeat) to score for tokens that read hidden[rows] with `targets`:
+    the distinct (row, target) pairs and, for each token, its pair, when they are at most
+    `share` of the tokens; else the tokens' own rows and targets and None."""
     if rows.dim() != 1 or rows.shape != targets.shape:
         raise ValueError(
             f"rows must be [N] like targets, got {tuple(rows.shape)} and {tuple(targets.shape)}"
@@ -97,7 +97,7 @@ def _distinct_pairs(hidden, weight, targets, rows):
     rows = rows.to(hidden.device).long()
     pairs = rows * weight.shape[0] + targets.to(hidden.device).long()
     distinct, repeat = torch.unique(pairs, return_inverse=True)
-    if distinct.numel() > DEDUPE_SHARE * pairs.numel():
+    if distinct.numel() > share * pairs.numel():
         return hidden[rows], targets, None
     vocab = weight.shape[0]
     return hidden[distinct // vocab], (distinct % vocab).to(targets.dtype), repeat
