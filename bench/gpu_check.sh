@@ -105,7 +105,7 @@ GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda
 # 2. Tests (only the files present; pytest comes from .whl/ when the machine lacks it).
 TESTS=()
 for t in tests/test_triton_kernels.py tests/test_policy_loss.py tests/test_attention.py \
-    tests/test_torch_sampler.py tests/test_lean.py; do
+    tests/test_torch_sampler.py tests/test_fast_decode.py tests/test_lean.py; do
     [ -f "$t" ] && TESTS+=("$t")
 done
 if [ "$IMPORT_RC" -ne 0 ]; then

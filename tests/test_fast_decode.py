@@ -209,3 +209,19 @@ def test_distinct_prompts_groups_equal_prompts_in_first_order():
     prompts = [[1, 2], [3], [1, 2], [1], [3], [1, 2]]
     assert distinct_prompts(prompts) == [[0, 2, 5], [1, 4], [3]]
     assert distinct_prompts([]) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_fast_path_on_cuda_matches_a_float64_forward(tmp_path, dtype, atol):
+    """On CUDA (bench/gpu_check.sh runs this file): the fast path's log-probs against a float64
+    CPU forward of the same tokens, within the dtype's rounding (bf16's is coarse, but a wrong
+    position, mask or cache column is off by far more)."""
+    model64 = saved_model(tmp_path, "qwen3")
+    model = saved_model(tmp_path, "qwen3", dtype=dtype).cuda()
+    prompts, caps = prompts_and_caps(seed=6)
+    path, samples = generate(model, True, prompts, caps)
+    assert path == "fast"
+    for prompt, sample in zip(prompts, samples, strict=True):
+        want = forward_logprobs(model64, prompt, sample.token_ids)
+        torch.testing.assert_close(torch.tensor(sample.logprobs).double(), want, atol=atol, rtol=0)
