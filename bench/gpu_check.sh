@@ -11,8 +11,8 @@
 # pytest.log, bench_<case>.log, kernels.csv, kernels_<case>.json, logs/ of failed benchmark
 # workers, train_run/ and train_run.log (the trainer steps) and gpu_check.log (this script's
 # whole output). Every step runs under `timeout`, so the whole check stays under 9 minutes
-# (GPU_CHECK_SECONDS shortens it); the last line is a one-line summary. GPU_CHECK_CASES lists the
-# kernel benchmark's cases as case:seconds. GPU_CHECK_BENCH_ARGS
+# (GPU_CHECK_SECONDS shortens it); the summary line comes last (then GPU_CHECK_BUNDLE's archive,
+# if set). GPU_CHECK_CASES lists the kernel benchmark's cases as case:seconds. GPU_CHECK_BENCH_ARGS
 # adds arguments to every benchmark call (e.g. "--scale 0.05 --impls eager,torch" for a dry run
 # on a CPU-only machine).
 set -uo pipefail
@@ -207,3 +207,10 @@ print("; ".join(parts))
 EOF
 )
 echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${STEPS} | ${SUMMARY:-no CSV} | out ${OUT}"
+
+# 5. Optionally one archive of everything but the trainer's checkpoints (a device that hands back
+# only a few small files: OUT=/tmp/gc GPU_CHECK_BUNDLE=$OUT_OF_THE_DEVICE/gpu_check.tgz).
+if [ -n "${GPU_CHECK_BUNDLE:-}" ]; then
+    tar czf "$GPU_CHECK_BUNDLE" --exclude=checkpoints -C "$(dirname "$OUT")" "$(basename "$OUT")" &&
+        echo "gpu_check: bundle $GPU_CHECK_BUNDLE ($(du -h "$GPU_CHECK_BUNDLE" | cut -f1))"
+fi
