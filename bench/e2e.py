@@ -138,6 +138,7 @@ from cod_fast.bench.kernels import (
     _percentile,
     _rss_mib,
     _rss_peak_mib,
+    comma_choices,
     emit_summary,
     run_json_worker,
 )
@@ -478,11 +479,8 @@ def _parse_args(argv):
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.sizes, args.contenders = args.sizes.split(","), args.contenders.split(",")
-    if bad := [s for s in args.sizes if s not in SIZES]:
-        p.error(f"--sizes: unknown {bad}; choose from {', '.join(SIZES)}")
-    if bad := [c for c in args.contenders if c not in CONTENDERS]:
-        p.error(f"--contenders: unknown {bad}; choose from {', '.join(CONTENDERS)}")
+    args.sizes = comma_choices(p, "sizes", args.sizes, SIZES)
+    args.contenders = comma_choices(p, "contenders", args.contenders, CONTENDERS)
     if args.reps < 1 or args.warmup < 0:
         p.error("--reps must be >= 1 and --warmup >= 0")
     if (args.prompts or 1) < 1 or (args.group or 2) < 2 or (args.max_completion or 1) < 1:

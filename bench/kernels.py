@@ -285,6 +285,15 @@ def run_json_worker(cmd: list[str], timeout: float, log: Path, env: dict | None 
     return {"status": f"failed: {why} (log: {log})"}
 
 
+def comma_choices(parser, flag: str, text: str, allowed) -> list[str]:
+    """The comma-separated items of a command-line `text`; an item not in `allowed` is a usage
+    error naming the flag and the choices."""
+    items = text.split(",")
+    if bad := [item for item in items if item not in allowed]:
+        parser.error(f"--{flag}: unknown {bad}; choose from {', '.join(allowed)}")
+    return items
+
+
 def emit_summary(summary: dict, path: Path) -> dict:
     """Write a benchmark's summary to `path` and print it as the last stdout line (JSON)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -492,10 +501,8 @@ def _parse_args(argv):
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for name, given, allowed in (("cases", args.cases, CASES), ("impls", args.impls, CONTENDERS)):
-        bad = [item for item in given.split(",") if item not in allowed]
-        if bad:
-            p.error(f"--{name}: unknown {bad}; choose from {', '.join(allowed)}")
+    comma_choices(p, "cases", args.cases, CASES)
+    comma_choices(p, "impls", args.impls, CONTENDERS)
     if args.reps < 1 or args.warmup < 0 or args.scale <= 0:
         p.error("--reps must be >= 1, --warmup >= 0 and --scale > 0")
     return args

@@ -59,6 +59,7 @@ from cod_fast.bench.kernels import (
     _percentile,
     _rss_mib,
     _rss_peak_mib,
+    comma_choices,
     emit_summary,
     run_json_worker,
 )
@@ -458,11 +459,8 @@ def _parse_args(argv):
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.sizes, args.contenders = args.sizes.split(","), args.contenders.split(",")
-    if bad := [s for s in args.sizes if s not in SIZES]:
-        p.error(f"--sizes: unknown {bad}; choose from {', '.join(SIZES)}")
-    if bad := [c for c in args.contenders if c not in CONTENDERS]:
-        p.error(f"--contenders: unknown {bad}; choose from {', '.join(CONTENDERS)}")
+    args.sizes = comma_choices(p, "sizes", args.sizes, SIZES)
+    args.contenders = comma_choices(p, "contenders", args.contenders, CONTENDERS)
     if args.reps < 1 or args.warmup < 0 or (args.packs or 1) < 1 or (args.group or 2) < 2:
         p.error("--reps and --packs must be >= 1, --group >= 2 (advantages), --warmup >= 0")
     if args.model is not None and not Path(args.model, "config.json").is_file():

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
+from cod_fast.bench.kernels import comma_choices, emit_summary
 from cod_fast.bench.train import _append_csv, _print_table, run_meta
 
 PRESET = "tiny-cpu"
@@ -181,9 +181,7 @@ def _parse_args(argv):
     p.add_argument("--model", action="append", default=[], help="ENV=DIR: a trained policy")
     p.add_argument("--out", default="bench/results", help="folder for share.csv/share.json")
     args = p.parse_args(argv)
-    args.envs = args.envs.split(",")
-    if bad := [e for e in args.envs if e not in ENVIRONMENTS]:
-        p.error(f"--envs: unknown {bad}; choose from {', '.join(ENVIRONMENTS)}")
+    args.envs = comma_choices(p, "envs", args.envs, ENVIRONMENTS)
     if bad := [m for m in args.model if "=" not in m or m.split("=")[0] not in ENVIRONMENTS]:
         p.error(f"--model takes ENV=DIR with ENV one of {', '.join(ENVIRONMENTS)}; got {bad}")
     if args.reps < 1 or args.packs < 1 or args.group < 1:
