@@ -97,7 +97,6 @@ class FastDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.eps = config.rms_norm_eps
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask = torch.empty(0, 0, dtype=torch.bool)
