@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cod_fast.lean import _lean_mlp_forward, _lean_norm_forward
+from cod_fast.rollout.vllm_sampler import head_dim
 
 _LINEAR_NAMES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"
@@ -96,7 +97,7 @@ class FastDecoder:
         ]
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_dim = head_dim(config)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.mask = torch.empty(0, 0, dtype=torch.bool)
