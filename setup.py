@@ -1,4 +1,4 @@
-"""Build of the optional C++ extension `cod_fast._cpp` (the CPU row kernels in csrc/cpu/).
+"""Build of the optional C++ extension `cod_fast._cpp` (the CPU kernels in csrc/cpu/).
 
 Everything else about the package lives in pyproject.toml. The extension is optional: when it
 fails to compile (no compiler, no OpenMP), the package still installs and the pure-torch
@@ -27,9 +27,9 @@ if pybind11 is not None:
     extensions.append(
         Extension(
             "cod_fast._cpp",
-            ["csrc/cpu/rows.cpp"],
+            ["csrc/cpu/rows.cpp", "csrc/cpu/layers.cpp", "csrc/cpu/attention.cpp"],
             include_dirs=[pybind11.get_include(), "csrc"],
-            depends=["csrc/loss_head.h"],
+            depends=["csrc/loss_head.h", "csrc/cpu/common.h"],
             language="c++",
             # -ffp-contract=fast lets the AVX2 / AVX-512 clones fuse multiply-adds (ISO -std
             # modes turn it off); -fno-trapping-math lets GCC turn the exp's selects into blends,

@@ -8,9 +8,10 @@ unchanged:
 - `cod_flash_attn`: flash-attn's `flash_attn_varlen_func` (CUDA, the flash-attn package);
 - `cod_varlen_attn`: torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA; flash-attention
   varlen without the flash-attn package);
-- `cod_sdpa`: one `scaled_dot_product_attention` per sequence (any device: the CPU path). Its
-  cost is sum_s L_s^2, where a block-diagonal mask over the whole row would cost T^2 time and
-  memory.
+- `cod_sdpa` (any device: the CPU path): cod_fast.ops.varlen_attention, a C++ kernel over every
+  sequence of the row for float32 on a CPU, else one `scaled_dot_product_attention` per
+  sequence. Its cost is sum_s L_s^2, where a block-diagonal mask over the whole row would cost
+  T^2 time and memory.
 
 They attend varlen only when the caller passes `cu_seq_lens_q` (see `packed_attention_kwargs`);
 without it (generation with a KV cache and a padding mask) they defer to transformers' SDPA with
@@ -24,10 +25,11 @@ import importlib.util
 import inspect
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from cod_fast.ops.varlen_attention import varlen_attention
 
 KERNELS = {"flash_attn": "cod_flash_attn", "varlen_attn": "cod_varlen_attn", "sdpa": "cod_sdpa"}
 
@@ -84,33 +86,6 @@ def packed_attention_kwargs(
     return kwargs
 
 
-def _per_sequence_sdpa(q, k, v, cu_q, cu_k, scaling):
-    """[T, H, D] inputs; one causal SDPA call per block. The inputs are 4-D ([1, H, L, D]):
-    torch's fused CPU (flash) kernel takes only 4-D ones; 3-D inputs fall back to the math path,
-    which is ~3x slower and keeps the [H, L, L] probabilities for backward. The blocks are cut
-    with one `split` (its backward is one concatenation; slicing would make each slice's
-    backward write a zero-filled [T, H, D] gradient). A block with more keys than queries (a
-    node after its shared prefix) is causal aligned at the end, as flash-attention's varlen."""
-    q_lengths, k_lengths = cu_q.diff().tolist(), cu_k.diff().tolist()
-    gqa = q.shape[1] != k.shape[1]
-    outs = []
-    qs = q.transpose(0, 1)[None].split(q_lengths, dim=2)
-    ks, vs = (x.transpose(0, 1)[None].split(k_lengths, dim=2) for x in (k, v))
-    for qb, kb, vb in zip(qs, ks, vs, strict=True):
-        lq, lk = qb.shape[2], kb.shape[2]
-        mask = None if lq == lk else _lower_right(lq, lk, qb.device)
-        out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
-        )
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs, dim=0)
-
-
-def _lower_right(lq: int, lk: int, device: torch.device) -> torch.Tensor:
-    """[lq, lk] bool: query t may see keys up to lk - lq + t (causal, aligned at the end)."""
-    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
-
-
 @functools.cache
 def _varlen_options() -> tuple[bool, bool]:
     """(takes is_causal, takes enable_gqa): the varlen_attn signature moved between torch 2.10
@@ -165,11 +140,12 @@ def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kw
     cu_q = cu_seqlens.to(device=q.device, dtype=torch.int32)
     cu_k = kwargs.get("cu_seq_lens_k")
     cu_k = cu_q if cu_k is None else cu_k.to(device=q.device, dtype=torch.int32)
-    if (kv_index := kwargs.get("cod_kv_index")) is not None:  # shared prefixes: gather the keys
-        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+    kv_index = kwargs.get("cod_kv_index")  # shared prefixes: the key rows of each block
     if kernel == "sdpa":
-        out = _per_sequence_sdpa(q, k, v, cu_q, cu_k, scaling)
+        out = varlen_attention(q, k, v, cu_q, cu_k, kv_index, scaling)
     else:
+        if kv_index is not None:
+            k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
         run = _torch_varlen if kernel == "varlen_attn" else _flash_varlen
         max_q = int(kwargs["max_length_q"])
         lengths = max_q, int(kwargs.get("max_length_k") or max_q)

@@ -5,16 +5,18 @@ autograd saves for the backward pass. transformers' modules save more than the b
 
 - `down_proj(act_fn(gate_proj(x)) * up_proj(x))` keeps four [T, I] tensors per layer: the gate
   (for SiLU's backward), SiLU(gate) and up (for the product's), and the product (for
-  down_proj's weight gradient). `_SwiGLUDown` keeps the gate and up only and recomputes the other
-  two in the backward pass (elementwise work, no matmul).
+  down_proj's weight gradient). `swiglu_down` keeps the gate and up only and recomputes the
+  other two in the backward pass (elementwise work, no matmul).
 - `weight * (x * rsqrt(mean(x^2) + eps))` keeps x and the normalised x, two [T, H] tensors.
-  `_RMSNorm` keeps x and the [T, 1] reciprocal RMS.
+  `rms_norm` keeps x and the [T] reciprocal RMS.
 
 Per token and layer that is 2*I + H + H + (q and k head widths) fewer floats: for the trainer
 benchmark's 4-layer H=512 I=1536 model, 78 KB per token (measured there: 1058 -> 713 MiB for a
-5.3k-token micro-batch, 69 KB per token). The forward values are computed by the same operations
-in the same order as transformers', so they are bitwise equal in float32 and 16-bit dtypes; the
-gradients agree to rounding (tests compare both against float64).
+5.3k-token micro-batch, 69 KB per token). The arithmetic is cod_fast.ops.layers': float32 on a
+CPU runs its C++ kernels (one pass each, equal to transformers' values up to rounding); elsewhere,
+and with `COD_FAST_IMPL=torch`, the same operations in the same order as transformers', so the
+forward values are bitwise equal in float32 and 16-bit dtypes. The gradients agree to rounding
+(tests compare both against float64).
 
 `make_lean(model)` rebinds `forward` of the modules whose code it knows (by class, and only with
 the SiLU activation and no bias); everything else, and every parameter, stays as it was, so
@@ -26,75 +28,19 @@ from __future__ import annotations
 import types
 
 import torch
-import torch.nn.functional as F
+
+from cod_fast.ops.layers import rms_norm, swiglu_down
 
 MLP_CLASSES = ("Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP")
 NORM_CLASSES = ("Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
 
 
-class _SwiGLUDown(torch.autograd.Function):
-    """down(SiLU(gate) * up) with only gate and up saved."""
-
-    @staticmethod
-    def forward(ctx, gate, up, down_weight):
-        ctx.save_for_backward(gate, up, down_weight)
-        return F.linear(F.silu(gate) * up, down_weight)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gate, up, down_weight = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        grad_w = None
-        if ctx.needs_input_grad[2]:
-            product = silu * up
-            grad_w = grad_out.flatten(0, -2).T @ product.flatten(0, -2)
-            del product
-        grad_product = grad_out @ down_weight
-        grad_up = grad_product * silu
-        # d SiLU(g) / dg = sig * (1 + g * (1 - sig))
-        grad_gate = grad_product.mul_(up).mul_(sig.mul_(1 + gate * (1 - sig)))
-        return grad_gate, grad_up, grad_w
-
-
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """float32 for 16-bit inputs and float32 (as transformers computes), float64 for float64
-    (where transformers' module would round to float32)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """weight * (x / rms(x)), computed as transformers does (float32 inside, the weight applied
-    in the input's dtype), with x and 1/rms saved."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps: float):
-        wide = x.to(_wide(x.dtype))
-        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return weight * (wide * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, rstd = ctx.saved_tensors
-        wide = rstd.dtype
-        xhat = x.to(wide) * rstd
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad_out.to(wide) * xhat).flatten(0, -2).sum(0).to(weight.dtype)
-        grad_xhat = grad_out.to(wide) * weight.to(wide)
-        # d(x * rstd)/dx applied to g: rstd * (g - xhat * mean(g * xhat))
-        mean = (grad_xhat * xhat).mean(-1, keepdim=True)
-        grad_x = grad_xhat.sub_(xhat.mul_(mean)).mul_(rstd).to(x.dtype)
-        return grad_x, grad_weight, None
-
-
 def _lean_mlp_forward(self, x):
-    return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
+    return swiglu_down(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 
 def _lean_norm_forward(self, hidden_states):
-    return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_is_swiglu(module) -> bool:

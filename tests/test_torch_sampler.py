@@ -225,7 +225,7 @@ def test_generation_config_eos_ids_also_stop(model, tokenizer, prompts):
 
 
 def test_draw_follows_the_distribution_and_never_picks_an_excluded_token():
-    """The exponential race draws token v with probability p_v: 40000 draws per row of two
+    """The inverse-CDF draw picks token v with probability p_v: 40000 draws per row of two
     rows, every frequency within 5 standard errors; -inf tokens (p = 0) never come up."""
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.0, 0.0, 0.9, 0.1, 0.0]])
     logp = probs.log().repeat_interleave(20000, dim=0)

@@ -24,9 +24,10 @@ Llama, Mistral) with SiLU-gated MLPs, full attention in every layer and default 
 modules with no forward hooks and no replaced forward (cod_fast.lean's excepted: same
 arithmetic). `FastDecoder.supports` says why any other model is refused (an adapter such as
 LoRA, a hook that edits logits, a sliding window); the sampler then decodes through
-transformers. The RMSNorm computes as cod_fast.lean does (float32 inside for 16-bit and float32
-inputs, float64 for float64), which is transformers' arithmetic except that transformers rounds
-float64 to float32.
+transformers. The RMSNorm, the SwiGLU product and a decode step's attention are
+cod_fast.ops.layers' kernels, as in cod_fast.lean (C++ for float32 on a CPU; the RMSNorm float32
+inside for 16-bit inputs and float64 for float64, which is transformers' arithmetic except that
+transformers rounds float64 to float32).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cod_fast.lean import _lean_mlp_forward, _lean_norm_forward
+from cod_fast.ops.layers import decode_attention, layer_impl, rms_norm, swiglu
 from cod_fast.rollout.vllm_sampler import head_dim
 
 _LINEAR_NAMES = (
@@ -52,16 +54,6 @@ ARCHITECTURES = {
     "llama": False,
     "mistral": False,
 }
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x), in cod_fast.lean's arithmetic: float32 and float64 inputs through
-    torch's fused kernel (the same value up to rounding, a third faster per call on a CPU);
-    16-bit inputs as transformers rounds them (float32 inside, the weight in the input dtype)."""
-    if x.dtype in (torch.float32, torch.float64) and weight.dtype == x.dtype:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    wide = x.to(torch.promote_types(x.dtype, torch.float32))
-    return weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,15 +152,18 @@ class FastDecoder:
     def start(self, cache, mask: torch.Tensor, new_tokens: int, index: torch.Tensor) -> None:
         """Take over the rows `index` (repeats allowed) of a prefilled cache (keys [B, kv_heads,
         W, d] per layer) and of its left-padding mask [B, W], with room for `new_tokens` more
-        columns."""
+        columns. The keys are kept transposed, [B, kv_heads, d, W] (ops.layers.decode_attention)."""
         rows, width = len(index), mask.shape[1]
+        full = -(-(width + new_tokens) // 16) * 16  # whole vectors for the C++ key loops
         self.keys, self.values = [], []
         for layer in cache.layers:
-            for prefilled, store in ((layer.keys, self.keys), (layer.values, self.values)):
-                buf = prefilled.new_empty(rows, self.kv_heads, width + new_tokens, self.head_dim)
-                buf[:, :, :width] = prefilled.index_select(0, index)
-                store.append(buf)
-        self.mask = torch.ones(rows, width + new_tokens, dtype=torch.bool, device=mask.device)
+            keys, values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            shape = (rows, self.kv_heads, self.head_dim, full)
+            self.keys.append(keys.new_zeros(shape))  # transposed: [B, kv_heads, d, W]
+            self.keys[-1][..., :width] = keys.transpose(-1, -2)
+            self.values.append(values.new_empty(rows, self.kv_heads, full, shape[2]))
+            self.values[-1][:, :, :width] = values
+        self.mask = torch.ones(rows, full, dtype=torch.bool, device=mask.device)
         self.mask[:, :width] = mask.bool()[index]
         self.col = width
 
@@ -185,13 +180,12 @@ class FastDecoder:
         col = self.col
         if col >= self.mask.shape[1]:
             raise RuntimeError("FastDecoder: the cache is full; start() with more new_tokens")
-        attn_mask = self.mask[:, None, None, : col + 1]
 
         def attend(layer, q, k, v, scale):
             keys, values = self.keys[layer], self.values[layer]
-            keys[:, :, col : col + 1] = k
+            keys[..., col : col + 1] = k.transpose(-1, -2)
             values[:, :, col : col + 1] = v
-            return self._sdpa(q, keys[:, :, : col + 1], values[:, :, : col + 1], attn_mask, scale)
+            return decode_attention(q, keys, values, self.mask, col + 1, scale)
 
         logits = self._run(tokens, positions, attend)
         self.col += 1
@@ -236,4 +230,5 @@ class FastDecoder:
     def _mlp(self, mlp, h):
         gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
         up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        return F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        product = swiglu(gate, up, layer_impl(None, gate))
+        return F.linear(product, mlp.down_proj.weight, mlp.down_proj.bias)

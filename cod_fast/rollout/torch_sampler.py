@@ -100,12 +100,17 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
 
 def draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """[B, 1] token ids drawn from the rows of `logp` [B, V] (log-probs, -inf for excluded
-    tokens): the exponential race argmax_v p_v / E_v with E_v ~ Exp(1), an exact sampler (the
-    Gumbel-max trick in another form). On a CPU it costs a few elementwise passes where
-    torch.multinomial took 150 us per call for 32 rows of 334 tokens."""
-    race = torch.empty_like(logp).exponential_(generator=generator)
-    race.clamp_(min=torch.finfo(race.dtype).tiny)  # a 0 would turn an excluded 0/0 into NaN
-    return (logp.exp() / race).argmax(dim=-1, keepdim=True)
+    tokens) by inverse CDF: the first v whose cumulative probability exceeds u * total, u ~ U[0, 1)
+    one per row. The sums are float64, so every token's interval has its probability to 1e-16 (a
+    float32 running sum over 150k tokens would shift them by up to 1e-7, more than a rare token's
+    p). A token with p = 0 adds nothing to the sum and can never be the first to exceed u. On a
+    CPU: an exp, a cumsum and a search, 18 us for 32 rows of 334 tokens, where the exponential
+    race took 180 us and torch.multinomial 150 us."""
+    cdf = logp.double().exp_().cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding: u < total
+    return torch.searchsorted(cdf, u, right=True)
 
 
 def _cache_keyword(model) -> str:

@@ -18,93 +18,22 @@
 // code the compiler vectorises; it is only ever called on arguments <= 0 and flushes below -87 to
 // 0 (a p < 2^-125 contributes nothing at float precision). NaN in a row propagates to its outputs.
 //
-// Vectorisation without -march=native: the row functions are compiled three times
-// (x86-64-v4 = AVX-512, x86-64-v3 = AVX2 + FMA, baseline SSE2) and picked at load time by GCC's
-// target_clones; other compilers get the portable build.
-
-#include <pybind11/numpy.h>
-#include <pybind11/pybind11.h>
+// Vectorisation without -march=native: the row functions carry COD_CLONES (cpu/common.h).
+// The module also holds the kernels of layers.cpp and attention.cpp (bind_layers, bind_attention).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <stdexcept>
 #include <string>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
+#include "cpu/common.h"
 #include "loss_head.h"
-
-namespace py = pybind11;
-
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define COD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define COD_CLONES
-#endif
 
 namespace {
 
-constexpr float kExpFloor = -87.0f;  // exp(-87) ~ 1.6e-38, just above FLT_MIN
-constexpr int64_t kBlock = 2048;     // 8 KiB of logits: the online-max block stays in L1
+using namespace cod_cpu;
 
-// exp(d) for d <= 0 (or NaN); 0 below kExpFloor. `dc` is d clamped to the floor (NaN kept), so
-// callers can form exp(d) * d without 0 * -inf.
-inline float exp_nonpos(float d, float& dc) {
-  dc = d < kExpFloor ? kExpFloor : d;
-  // Round dc / ln2 to the nearest integer n with the 1.5 * 2^23 trick: no float->int conversion,
-  // so the loop vectorises, and the integer sits in t's low mantissa bits.
-  const float magic = 12582912.0f;
-  const float t = dc * 1.44269504088896341f + magic;
-  const float n = t - magic;
-  float r = dc - n * 0.693359375f;  // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * (r * r) + r + 1.0f;
-  uint32_t bits;  // unsigned: NaN's bits wrap harmlessly (the result is NaN through y anyway)
-  std::memcpy(&bits, &t, sizeof bits);
-  const uint32_t scale_bits = (bits - 0x4B400000u + 127u) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &scale_bits, sizeof scale);
-  const float e = y * scale;  // computed unconditionally so the select below is a blend
-  return d < kExpFloor ? 0.0f : e;
-}
-
-inline float exp_nonpos(float d) {
-  float dc;
-  return exp_nonpos(d, dc);
-}
-
-#if defined(__GNUC__)
-#define COD_INLINE inline __attribute__((always_inline))
-#else
-#define COD_INLINE inline
-#endif
-
-// max of z[0, n), NaN ignored (the exp pass propagates it). Written with explicit lanes: compilers
-// do not vectorise a plain float max reduction without -ffinite-math-only (NaN ordering), but
-// this select-per-lane form becomes vmaxps-like blends.
-COD_INLINE float block_max(const float* z, int64_t n) {
-  constexpr int kLanes = 32;
-  float lane[kLanes];
-  for (int j = 0; j < kLanes; ++j) lane[j] = -INFINITY;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) lane[j] = z[i + j] > lane[j] ? z[i + j] : lane[j];
-  }
-  float m = -INFINITY;
-  for (; i < n; ++i) m = z[i] > m ? z[i] : m;
-  for (int j = 0; j < kLanes; ++j) m = lane[j] > m ? lane[j] : m;
-  return m;
-}
+constexpr int64_t kBlock = 2048;  // 8 KiB of logits: the online-max block stays in L1
 
 struct Stats {
   float zmax;  // max of the raw logits z (x = inv_temp z, so max x = inv_temp zmax)
@@ -196,51 +125,6 @@ void row_backward(float* z, int64_t V, int64_t y, double inv_temp, Frame log_p, 
   z[y] = float(z[y] + inv_temp * g);
 }
 
-// ---- argument checking (all before the GIL is released: nothing throws inside the loops) ----
-
-std::string shape_str(const py::array& a) {
-  std::string s = "[";
-  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + "]";
-}
-
-template <typename T>
-T* data_of(const py::object& obj, const char* name, int64_t rows, int64_t cols, bool writable) {
-  if (!py::isinstance<py::array>(obj)) {
-    throw std::invalid_argument(std::string(name) + " must be a numpy array, got " +
-                                std::string(py::str(py::type::of(obj))));
-  }
-  py::array a = py::reinterpret_borrow<py::array>(obj);
-  if (!a.dtype().is(py::dtype::of<T>())) {
-    throw std::invalid_argument(std::string(name) + " must have dtype " +
-                                std::string(py::str(py::dtype::of<T>())) + ", got " +
-                                std::string(py::str(a.dtype())));
-  }
-  const bool shape_ok = cols < 0 ? (a.ndim() == 1 && a.shape(0) == rows)
-                                 : (a.ndim() == 2 && a.shape(0) == rows && a.shape(1) == cols);
-  if (!shape_ok) {
-    const std::string want = cols < 0
-                                 ? "[" + std::to_string(rows) + "]"
-                                 : "[" + std::to_string(rows) + ", " + std::to_string(cols) + "]";
-    throw std::invalid_argument(std::string(name) + " must have shape " + want + ", got " +
-                                shape_str(a));
-  }
-  if (!(a.flags() & py::array::c_style)) {
-    throw std::invalid_argument(std::string(name) + " must be C-contiguous");
-  }
-  if (writable && !a.writeable()) throw std::invalid_argument(std::string(name) + " is read-only");
-  return static_cast<T*>(const_cast<void*>(a.data()));
-}
-
-template <typename T>
-T* optional_data(const py::object& obj, const char* name, int64_t rows, bool needed,
-                 const char* why) {
-  if (obj.is_none()) {
-    if (needed) throw std::invalid_argument(std::string(name) + " is required when " + why);
-    return nullptr;
-  }
-  return data_of<T>(obj, name, rows, -1, false);
-}
 
 struct Logits {
   float* z;
@@ -275,14 +159,6 @@ void check_inv_temp(double inv_temp) {
   }
 }
 
-// num_threads <= 0: OpenMP's default (OMP_NUM_THREADS, else the core count).
-int threads_for(int num_threads) {
-#ifdef _OPENMP
-  return num_threads > 0 ? num_threads : omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
 
 // ---- bound functions ----
 
@@ -412,6 +288,8 @@ PYBIND11_MODULE(_cpp, m) {
       py::arg("entropy_coef"), py::arg("opd_coef"), py::arg("logp"), py::arg("entropy"),
       py::arg("loss"), py::arg("clipped"), nt,
       "Row statistics, the loss head and dL/dz in one sweep; z [C, V] is overwritten with dL/dz.");
+  bind_layers(m);
+  bind_attention(m);
 #ifdef _OPENMP
   m.attr("openmp") = true;
 #else

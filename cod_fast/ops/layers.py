@@ -1,0 +1,264 @@
+"""A decoder layer's elementwise kernels: RMSNorm, the SwiGLU product, one-query attention.
+
+Three kernel families, each with ``impl=`` (`cpp`, `torch`; `None`: the default below):
+
+- `rms_norm(x, weight, eps)`: weight * (x / rms(x)) over the last dimension, as transformers
+  computes it (float32 inside for 16-bit inputs, the weight applied in the input's dtype; float64
+  stays float64). Its autograd function saves x and the [N] reciprocal RMS only.
+- `swiglu_down(gate, up, down_weight)`: down(SiLU(gate) * up), saving gate and up only and
+  recomputing SiLU(gate) * up in the backward pass.
+- `decode_attention(q, keys_t, values, mask, n, scale)`: one query per row and head against
+  the first n columns of a preallocated KV cache, keys stored transposed (the torch sampler's
+  decode step).
+
+On a small model each is a chain of 4-12 torch ops, each one more pass over memory plus a
+dispatch (`cod-fast bench e2e`, tiny model: the norms and the SwiGLU elementwise work were about
+a third of a training step, SDPA's per-call cost about a sixth of a decode step). The C++
+kernels (csrc/cpu/layers.cpp) do each in one pass. They take float32 CPU tensors; everything
+else (16-bit, float64, CUDA) runs the torch code here, which is also the tests' reference.
+
+Default: ``COD_FAST_IMPL`` when it names `torch` (or `triton`, which has no layer kernels: torch),
+else `cpp` for float32 CPU inputs when the extension is built, else `torch`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from cod_fast.ops import cpp_rows
+from cod_fast.ops.dispatch import ENV_VAR, _warn_cpp_missing
+
+LAYER_IMPLS = ("cpp", "torch")
+
+
+def layer_impl(impl: str | None, x: torch.Tensor) -> str:
+    """`cpp` or `torch` for the layer kernels on `x` (see the module docstring)."""
+    cpp_fits = x.device.type == "cpu" and x.dtype == torch.float32
+    if impl is None:
+        if os.environ.get(ENV_VAR) in ("torch", "triton") or not cpp_fits:
+            return "torch"
+        if not cpp_rows.HAS_CPP:
+            _warn_cpp_missing()
+            return "torch"
+        return "cpp"
+    if impl not in LAYER_IMPLS:
+        raise ValueError(
+            f"unknown layer kernel implementation {impl!r}; choose one of {LAYER_IMPLS}"
+        )
+    if impl == "cpp" and not cpp_fits:
+        raise ValueError(
+            f"impl='cpp' layer kernels take float32 CPU tensors, got {x.dtype} on {x.device}; "
+            "use impl='torch' (or None for the default)"
+        )
+    if impl == "cpp":
+        cpp_rows._module()  # raises with the build error when the extension is missing
+    return impl
+
+
+def _np(t: torch.Tensor):
+    return t.detach().numpy()
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs and float32 (as transformers computes), float64 for float64
+    (where transformers' module would round to float32)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# --- RMSNorm -----------------------------------------------------------------------------------
+
+
+def _rms_forward(x2, weight, eps: float, impl: str):
+    """(y, rstd [N]) of rows x2 [N, H]."""
+    if impl == "cpp":
+        y, rstd = torch.empty_like(x2), x2.new_empty(x2.shape[0])
+        cpp_rows._module().rms_norm_forward(
+            _np(x2), _np(weight), eps, _np(y), _np(rstd), num_threads=torch.get_num_threads()
+        )
+        return y, rstd
+    wide = x2.to(_wide(x2.dtype))
+    rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (wide * rstd).to(x2.dtype), rstd.squeeze(-1)
+
+
+def _rms_backward(grad, x2, weight, rstd, weight_grad: bool, impl: str):
+    """(dx, dweight or None) of rows x2 [N, H] given dL/dy `grad` [N, H]."""
+    if impl == "cpp":
+        dx = torch.empty_like(x2)
+        dw = torch.empty_like(weight) if weight_grad else None
+        cpp_rows._module().rms_norm_backward(
+            _np(grad),
+            _np(x2),
+            _np(weight),
+            _np(rstd),
+            _np(dx),
+            None if dw is None else _np(dw),
+            num_threads=torch.get_num_threads(),
+        )
+        return dx, dw
+    wide, rstd = rstd.dtype, rstd[:, None]
+    xhat = x2.to(wide) * rstd
+    grad_weight = None
+    if weight_grad:
+        grad_weight = (grad.to(wide) * xhat).sum(0).to(weight.dtype)
+    grad_xhat = grad.to(wide) * weight.to(wide)
+    # d(x * rstd)/dx applied to g: rstd * (g - xhat * mean(g * xhat))
+    mean = (grad_xhat * xhat).mean(-1, keepdim=True)
+    return grad_xhat.sub_(xhat.mul_(mean)).mul_(rstd).to(x2.dtype), grad_weight
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """weight * (x / rms(x)) with x and 1/rms saved."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, impl: str):
+        x2 = x.reshape(-1, x.shape[-1])
+        y, rstd = _rms_forward(x2, weight, eps, impl)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.impl = impl
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight, rstd = ctx.saved_tensors
+        grad = grad_out.reshape(x2.shape)
+        if ctx.impl == "cpp":
+            grad = grad.contiguous()
+        dx, dw = _rms_backward(grad, x2, weight, rstd, ctx.needs_input_grad[1], ctx.impl)
+        return dx.view(grad_out.shape), dw, None, None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, impl: str | None = None
+) -> torch.Tensor:
+    """weight * x / rms(x) over x's last dimension (see the module docstring)."""
+    impl = layer_impl(impl, x)
+    if impl == "cpp":
+        x = x.contiguous()
+        if weight.dtype != torch.float32 or weight.device != x.device:
+            impl = "torch"  # a float32 input with another weight: transformers' own rounding
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return RMSNormFunction.apply(x, weight, eps, impl)
+    y, _ = _rms_forward(x.reshape(-1, x.shape[-1]), weight, eps, impl)
+    return y.view(x.shape)
+
+
+# --- SwiGLU ------------------------------------------------------------------------------------
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str) -> torch.Tensor:
+    """SiLU(gate) * up (no autograd)."""
+    if impl == "cpp":
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        cpp_rows._module().swiglu_forward(
+            _np(gate.view(-1, gate.shape[-1])),
+            _np(up.view(-1, up.shape[-1])),
+            _np(y.view(-1, y.shape[-1])),
+            num_threads=torch.get_num_threads(),
+        )
+        return y
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(grad_product, gate, up, product: bool, impl: str):
+    """(dgate, dup, SiLU(gate) * up or None); `grad_product` is overwritten."""
+    if impl == "cpp":
+        grad_up = torch.empty_like(gate)
+        prod = torch.empty_like(gate) if product else None
+        rows = (-1, gate.shape[-1])
+        cpp_rows._module().swiglu_backward_(
+            _np(grad_product.view(rows)),
+            _np(gate.view(rows)),
+            _np(up.view(rows)),
+            _np(grad_up.view(rows)),
+            None if prod is None else _np(prod.view(rows)),
+            num_threads=torch.get_num_threads(),
+        )
+        return grad_product, grad_up, prod
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    prod = silu * up if product else None
+    grad_up = grad_product * silu
+    # d SiLU(g) / dg = sig * (1 + g * (1 - sig))
+    grad_gate = grad_product.mul_(up).mul_(sig.mul_(1 + gate * (1 - sig)))
+    return grad_gate, grad_up, prod
+
+
+class SwiGLUDownFunction(torch.autograd.Function):
+    """down(SiLU(gate) * up) with only gate and up saved."""
+
+    @staticmethod
+    def forward(ctx, gate, up, down_weight, impl: str):
+        ctx.save_for_backward(gate, up, down_weight)
+        ctx.impl = impl
+        return F.linear(swiglu(gate, up, impl), down_weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, down_weight = ctx.saved_tensors
+        grad_product = grad_out @ down_weight
+        grad_gate, grad_up, product = _swiglu_backward(
+            grad_product, gate, up, ctx.needs_input_grad[2], ctx.impl
+        )
+        grad_w = None
+        if product is not None:
+            grad_w = grad_out.flatten(0, -2).T @ product.flatten(0, -2)
+        return grad_gate, grad_up, grad_w, None
+
+
+def swiglu_down(
+    gate: torch.Tensor, up: torch.Tensor, down_weight: torch.Tensor, impl: str | None = None
+) -> torch.Tensor:
+    """down_proj(SiLU(gate) * up) for bias-free projections (see the module docstring)."""
+    impl = layer_impl(impl, gate)
+    if impl == "cpp":
+        gate, up = gate.contiguous(), up.contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (gate, up, down_weight)):
+        return SwiGLUDownFunction.apply(gate, up, down_weight, impl)
+    return F.linear(swiglu(gate, up, impl), down_weight)
+
+
+# --- one-query attention -----------------------------------------------------------------------
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys_t: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    n: int,
+    scale: float,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """softmax(scale q K^T) V [B, Hq, 1, d] of queries q [B, Hq, 1, d] against the first `n`
+    columns of a KV cache: keys stored transposed, keys_t [B, Hkv, d, W] (so the C++ score loop
+    runs along contiguous keys), values [B, Hkv, W, d]; Hq a multiple of Hkv (grouped-query
+    heads); only keys where the bool `mask` [B, >= n] is true. A row with no key gets zeros
+    (as torch's CPU SDPA gives)."""
+    impl = layer_impl(impl, q)
+    if impl == "cpp" and keys_t.is_contiguous() and values.is_contiguous():
+        rows, heads, _, d = q.shape
+        out = torch.empty_like(q)
+        cpp_rows._module().decode_attention(
+            _np(q.reshape(rows, heads, d).contiguous()),
+            _np(keys_t),
+            _np(values),
+            _np(mask.contiguous()),
+            n,
+            scale,
+            _np(out.view(rows, heads, d)),
+            num_threads=torch.get_num_threads(),
+        )
+        return out
+    return F.scaled_dot_product_attention(
+        q,
+        keys_t[..., :n].transpose(-1, -2),
+        values[:, :, :n],
+        attn_mask=mask[:, None, None, :n],
+        scale=scale,
+        enable_gqa=keys_t.shape[1] != q.shape[1],
+    )

@@ -1,0 +1,224 @@
+"""Layer kernels (cod_fast.ops.layers): the C++ and torch RMSNorm, SwiGLU and decode attention
+against float64 references, on odd shapes and fresh random inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cod_fast.ops import layers
+from cod_fast.ops.cpp_rows import HAS_CPP
+from cod_fast.ops.layers import (
+    RMSNormFunction,
+    SwiGLUDownFunction,
+    decode_attention,
+    layer_impl,
+    rms_norm,
+    swiglu_down,
+)
+
+IMPLS = ["torch"] + (["cpp"] if HAS_CPP else [])
+needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="cod_fast._cpp not built")
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def report(name, got, want):
+    """Max abs error and where, for a failing assertion's message."""
+    diff = (got.double() - want).abs()
+    idx = np.unravel_index(int(diff.argmax()), tuple(diff.shape)) if diff.numel() else ()
+    return f"{name}: max error {diff.max().item() if diff.numel() else 0:.3e} at {idx}"
+
+
+def within_budget(name, got, torch32, exact, slack=4.0, scale=0.0):
+    """`got` (float32) is no further from the float64 `exact` than eager torch's float32
+    `torch32`, times 2, plus `slack` ulps of the larger of the result's scale and `scale` (the
+    size of the terms that cancel in it)."""
+    assert got.shape == exact.shape, name
+    if exact.numel() == 0:
+        return
+    scale = max(scale, exact.abs().max().item())
+    budget = 2 * (torch32.double() - exact).abs().max().item() + slack * EPS32 * max(scale, 1e-30)
+    err = (got.double() - exact).abs().max().item()
+    assert err <= budget, f"{report(name, got, exact)} > budget {budget:.3e}"
+
+
+def exact_rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+RMS_SHAPES = [(1, 1), (7, 123), (3, 5, 96), (2, 9, 3, 13), (300, 513), (0, 8)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+def test_rms_norm_forward_and_gradients_match_float64(impl, shape):
+    """y, dx and dw of the RMSNorm in float32 are within eager float32's distance of float64."""
+    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    x64 = 3 * torch.randn(*shape, generator=g, dtype=torch.float64)
+    w64 = 1 + 0.5 * torch.randn(shape[-1], generator=g, dtype=torch.float64)
+    up64 = torch.randn(*shape, generator=g, dtype=torch.float64)
+    eps = 1e-6
+
+    def run(fn, dtype):
+        x = x64.to(dtype, copy=True).requires_grad_()
+        w = w64.to(dtype, copy=True).requires_grad_()
+        y = fn(x, w)
+        (y * up64.to(dtype)).sum().backward()
+        return y.detach(), x.grad, w.grad
+
+    exact = run(lambda x, w: exact_rms(x, w, eps), torch.float64)
+    eager = run(lambda x, w: exact_rms(x, w, eps), torch.float32)
+    got = run(lambda x, w: rms_norm(x, w, eps, impl=impl), torch.float32)
+    # dx = rstd (g w - xhat mean(g w xhat)) cancels to ~0 when H = 1: its terms set the scale
+    terms = (up64 * w64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).abs()
+    scales = (0.0, terms.max().item() if terms.numel() else 0.0, 0.0)
+    for name, a, b, c, s in zip(("y", "dx", "dw"), got, eager, exact, scales, strict=True):
+        within_budget(name, a, b, c, scale=s)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(1, 1, 1), (5, 7, 37), (2, 50, 256), (0, 3, 4)])
+def test_swiglu_down_forward_and_gradients_match_float64(impl, shape):
+    """down(SiLU(g) u) and its three gradients in float32 are within eager float32's distance
+    of float64, with gates far in both tails (sigmoid saturates)."""
+    g = torch.Generator().manual_seed(sum(shape) + 11)
+    gate64 = 4 * torch.randn(*shape, generator=g, dtype=torch.float64)
+    gate64.view(-1)[::7] *= 30  # |g| up to ~400: exp(-|g|) underflows
+    up64 = torch.randn(*shape, generator=g, dtype=torch.float64)
+    w64 = torch.randn(9, shape[-1], generator=g, dtype=torch.float64) / math.sqrt(shape[-1])
+    upstream = torch.randn(*shape[:-1], 9, generator=g, dtype=torch.float64)
+
+    def run(fn, dtype):
+        ins = [t.to(dtype, copy=True).requires_grad_() for t in (gate64, up64, w64)]
+        y = fn(*ins)
+        (y * upstream.to(dtype)).sum().backward()
+        return (y.detach(), *(t.grad for t in ins))
+
+    def plain(a, b, w):
+        return F.linear(F.silu(a) * b, w)
+
+    exact = run(plain, torch.float64)
+    eager = run(plain, torch.float32)
+    got = run(lambda a, b, w: swiglu_down(a, b, w, impl=impl), torch.float32)
+    for name, a, b, c in zip(("y", "dgate", "dup", "dw"), got, eager, exact, strict=True):
+        within_budget(name, a, b, c)
+
+
+def test_torch_functions_pass_gradcheck_in_float64():
+    """The hand-written backward passes of the torch path are the derivatives of their forwards."""
+    g = torch.Generator().manual_seed(1)
+    gate, up = (torch.randn(3, 5, 7, generator=g, dtype=torch.float64) for _ in range(2))
+    down = torch.randn(6, 7, generator=g, dtype=torch.float64)
+    inputs = [t.requires_grad_() for t in (gate, up, down)]
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: SwiGLUDownFunction.apply(a, b, c, "torch"), inputs
+    )
+    x = (3 * torch.randn(4, 2, 9, generator=g, dtype=torch.float64)).requires_grad_()
+    w = torch.randn(9, generator=g, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: RMSNormFunction.apply(a, b, 1e-6, "torch"), [x, w])
+
+
+def exact_attention(q, keys, values, mask, n, scale):
+    """float64 softmax(scale q K^T) V over the first n columns, masked, grouped heads; rows with
+    no key give zeros."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys[:, :, :n].double().repeat_interleave(group, dim=1)
+    v = values[:, :, :n].double().repeat_interleave(group, dim=1)
+    s = scale * q.double() @ k.transpose(-1, -2)
+    s = s.masked_fill(~mask[:, None, None, :n], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return p @ v
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "rows, heads, kv_heads, width, n, d",
+    [(1, 1, 1, 1, 1, 1), (5, 6, 2, 40, 33, 13), (32, 3, 3, 80, 57, 32), (3, 4, 1, 9, 9, 64)],
+)
+def test_decode_attention_matches_float64(impl, rows, heads, kv_heads, width, n, d):
+    """One query per row and head against a cache's first n columns under a key mask (with a
+    fully masked row), grouped-query heads, equals the float64 attention."""
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    q = torch.randn(rows, heads, 1, d, generator=g)
+    keys = torch.randn(rows, kv_heads, width, d, generator=g)
+    values = torch.randn(rows, kv_heads, width, d, generator=g)
+    keys[:, :, n:] = float("nan")  # columns past n must not be read
+    values[:, :, n:] = float("nan")
+    mask = torch.rand(rows, width + 3, generator=g) > 0.3
+    mask[:, n - 1] = True
+    if rows > 2:
+        mask[1] = False  # no key at all
+    scale = 1 / math.sqrt(d)
+    exact = exact_attention(q, keys, values, mask, n, scale)
+    got = decode_attention(q, keys.transpose(-1, -2).contiguous(), values, mask, n, scale, impl)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=8 * EPS32 * math.sqrt(n))
+
+
+@needs_cpp
+def test_cpp_kernels_overwrite_every_output():
+    """Outputs poisoned with NaN before the call hold finite values after it."""
+    from cod_fast import _cpp
+
+    g = np.random.default_rng(3)
+    x = g.standard_normal((6, 11), dtype=np.float32)
+    w = g.standard_normal(11, dtype=np.float32)
+    y, rstd = np.full_like(x, np.nan), np.full(6, np.nan, dtype=np.float32)
+    _cpp.rms_norm_forward(x, w, 1e-6, y, rstd)
+    dx, dw = np.full_like(x, np.nan), np.full_like(w, np.nan)
+    _cpp.rms_norm_backward(x, x, w, rstd, dx, dw)
+    gp, du, prod = x.copy(), np.full_like(x, np.nan), np.full_like(x, np.nan)
+    _cpp.swiglu_forward(x, x, y)
+    _cpp.swiglu_backward_(gp, x, x, du, prod)
+    q = g.standard_normal((2, 2, 5), dtype=np.float32)
+    keys_t = g.standard_normal((2, 1, 5, 4), dtype=np.float32)
+    values = g.standard_normal((2, 1, 4, 5), dtype=np.float32)
+    out = np.full_like(q, np.nan)
+    _cpp.decode_attention(q, keys_t, values, np.ones((2, 4), dtype=bool), 3, 0.5, out)
+    for name, a in dict(y=y, rstd=rstd, dx=dx, dw=dw, gp=gp, du=du, prod=prod, out=out).items():
+        assert np.isfinite(a).all(), name
+
+
+@needs_cpp
+def test_cpp_kernels_propagate_nan():
+    """A NaN input reaches its own outputs (no clamp or select swallows it)."""
+    x = torch.randn(3, 8)
+    x[1, 2] = float("nan")
+    y = rms_norm(x, torch.ones(8), 1e-6, impl="cpp")
+    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
+    out = swiglu_down(x, torch.ones(3, 8), torch.eye(8), impl="cpp")
+    assert out[1, 2].isnan() and not out[0].isnan().any()
+
+
+@needs_cpp
+def test_bad_arguments_are_named():
+    """A float64 input to impl='cpp' and a column count past the cache are refused by name."""
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        rms_norm(
+            torch.ones(2, 3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 1e-6, "cpp"
+        )
+    q, keys_t, values = torch.ones(1, 2, 1, 4), torch.ones(1, 1, 4, 3), torch.ones(1, 1, 3, 4)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="n = 4 must be in"):
+        decode_attention(q, keys_t, values, mask, 4, 1.0, impl="cpp")
+    with pytest.raises(ValueError, match="multiple of key-value heads"):
+        decode_attention(q, keys_t.expand(1, 3, 4, 3).contiguous(),
+                         values.expand(1, 3, 3, 4).contiguous(), mask, 2, 1.0, impl="cpp")  # fmt: skip
+    with pytest.raises(ValueError, match="unknown layer kernel"):
+        layer_impl("triton", torch.ones(1))
+
+
+def test_default_impl_follows_device_dtype_and_env(monkeypatch):
+    """cpp for float32 CPU tensors when built; torch for other dtypes and under
+    COD_FAST_IMPL=torch."""
+    monkeypatch.delenv("COD_FAST_IMPL", raising=False)
+    assert layer_impl(None, torch.ones(1)) == ("cpp" if HAS_CPP else "torch")
+    assert layer_impl(None, torch.ones(1, dtype=torch.bfloat16)) == "torch"
+    assert layer_impl(None, torch.ones(1, dtype=torch.float64)) == "torch"
+    monkeypatch.setenv("COD_FAST_IMPL", "torch")
+    assert layer_impl(None, torch.ones(1)) == "torch"
+    assert layers.LAYER_IMPLS == ("cpp", "torch")
