@@ -222,3 +222,13 @@ def test_default_impl_follows_device_dtype_and_env(monkeypatch):
     monkeypatch.setenv("COD_FAST_IMPL", "torch")
     assert layer_impl(None, torch.ones(1)) == "torch"
     assert layers.LAYER_IMPLS == ("cpp", "torch")
+
+
+@needs_cpp
+def test_parameters_stay_resizable():
+    """FSDP2 frees a gathered parameter by resizing its storage to 0; sharing a storage with
+    numpy makes it non-resizable, so the kernels must never take a parameter's own storage."""
+    w = torch.nn.Parameter(torch.ones(8))
+    x = torch.randn(3, 8, requires_grad=True)
+    rms_norm(x, w, 1e-6, impl="cpp").sum().backward()
+    w.data.untyped_storage().resize_(0)

@@ -59,7 +59,15 @@ def layer_impl(impl: str | None, x: torch.Tensor) -> str:
 
 
 def _np(t: torch.Tensor):
+    """A numpy view for the C++ kernels (activations and fresh outputs only: sharing a storage
+    with numpy makes it non-resizable for good, and FSDP2 frees a gathered parameter by
+    resizing its storage to 0, so parameters reach the kernels through `_copy`)."""
     return t.detach().numpy()
+
+
+def _copy(weight: torch.Tensor):
+    """A numpy copy of a parameter (see `_np`; a norm weight is H floats)."""
+    return weight.detach().clone().numpy()
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -76,7 +84,7 @@ def _rms_forward(x2, weight, eps: float, impl: str):
     if impl == "cpp":
         y, rstd = torch.empty_like(x2), x2.new_empty(x2.shape[0])
         cpp_rows._module().rms_norm_forward(
-            _np(x2), _np(weight), eps, _np(y), _np(rstd), num_threads=torch.get_num_threads()
+            _np(x2), _copy(weight), eps, _np(y), _np(rstd), num_threads=torch.get_num_threads()
         )
         return y, rstd
     wide = x2.to(_wide(x2.dtype))
@@ -92,7 +100,7 @@ def _rms_backward(grad, x2, weight, rstd, weight_grad: bool, impl: str):
         cpp_rows._module().rms_norm_backward(
             _np(grad),
             _np(x2),
-            _np(weight),
+            _copy(weight),
             _np(rstd),
             _np(dx),
             None if dw is None else _np(dw),
