@@ -39,38 +39,51 @@ struct Blocks {
   int64_t key_row(int64_t j) const { return kv_index ? kv_index[j] : j; }
 };
 
-// Per-thread scratch for one (key-value head, block): keys and values transposed ([d, pitch],
-// zero past the block's keys, so the loops along the keys need no remainder) and row-major,
-// scores (twice: the backward pass keeps two), and the block's key/value gradients.
+// Per-thread scratch for one (key-value head, block): the block's keys and values transposed
+// ([d, pitch], zero past the block's keys, so the loops along the keys need no remainder) and
+// row-major (contiguous copies: the weighted row sums vectorise over them), the rows' offsets in
+// k and v, scores (twice: the backward pass keeps two), and the block's key/value gradients.
 struct Scratch {
   int64_t pitch;
-  std::vector<float> kt, kr, vt, vr, s, dk, dv;
+  std::vector<float> kt, vt, kr, vr, s, dk, dv;
+  std::vector<int64_t> off;
   explicit Scratch(int64_t lk, int64_t d)
       : pitch(padded(lk)),
         kt(pitch * d),
-        kr(lk * d),
         vt(pitch * d),
+        kr(lk * d),
         vr(lk * d),
         s(2 * pitch),
         dk(lk * d),
-        dv(lk * d) {}
+        dv(lk * d),
+        off(lk) {}
 };
 
+// What a pass reads of a block: the forward pass the keys transposed and the values by row,
+// the backward pass the keys both ways and the values transposed.
+enum class Pass { kForward, kBackward };
+
 void gather_block(const float* k, const float* v, const Blocks& bl, int64_t b, int64_t h,
-                  int64_t Hkv, int64_t d, Scratch& sc) {
+                  int64_t Hkv, int64_t d, Pass pass, Scratch& sc) {
   const int64_t k0 = bl.cu_k[b], lk = bl.cu_k[b + 1] - k0, pitch = sc.pitch;
+  const bool backward = pass == Pass::kBackward;
   for (int64_t j = 0; j < lk; ++j) {
     const int64_t row = (bl.key_row(k0 + j) * Hkv + h) * d;
-    for (int64_t i = 0; i < d; ++i) {
-      sc.kr[j * d + i] = k[row + i];
-      sc.vr[j * d + i] = v[row + i];
-      sc.kt[i * pitch + j] = k[row + i];
-      sc.vt[i * pitch + j] = v[row + i];
+    sc.off[j] = row;
+    if (backward) {
+      std::copy(k + row, k + row + d, sc.kr.data() + j * d);
+    } else {
+      std::copy(v + row, v + row + d, sc.vr.data() + j * d);
     }
   }
   for (int64_t i = 0; i < d; ++i) {
-    std::fill(sc.kt.begin() + i * pitch + lk, sc.kt.begin() + i * pitch + padded(lk), 0.0f);
-    std::fill(sc.vt.begin() + i * pitch + lk, sc.vt.begin() + i * pitch + padded(lk), 0.0f);
+    float* kt = sc.kt.data() + i * pitch;
+    for (int64_t j = 0; j < lk; ++j) kt[j] = k[sc.off[j] + i];
+    std::fill(kt + lk, kt + padded(lk), 0.0f);
+    if (!backward) continue;
+    float* vt = sc.vt.data() + i * pitch;
+    for (int64_t j = 0; j < lk; ++j) vt[j] = v[sc.off[j] + i];
+    std::fill(vt + lk, vt + padded(lk), 0.0f);
   }
 }
 
@@ -220,7 +233,7 @@ void varlen_attention_forward(py::object q_obj, py::object k_obj, py::object v_o
     for (int64_t b = 0; b < bl.count; ++b) {
       const int64_t q0 = bl.cu_q[b], lq = bl.cu_q[b + 1] - q0, lk = bl.cu_k[b + 1] - bl.cu_k[b];
       if (lq == 0) continue;
-      gather_block(k, v, bl, b, h, sh.Hkv, d, scratch);
+      gather_block(k, v, bl, b, h, sh.Hkv, d, Pass::kForward, scratch);
       for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
         for (int64_t t = 0; t < lq; ++t) {
           const int64_t row = (q0 + t) * sh.Hq + hq;
@@ -261,7 +274,7 @@ void varlen_attention_backward(py::object q_obj, py::object k_obj, py::object v_
       const int64_t q0 = bl.cu_q[b], lq = bl.cu_q[b + 1] - q0;
       const int64_t k0 = bl.cu_k[b], lk = bl.cu_k[b + 1] - k0;
       if (lq == 0) continue;
-      gather_block(k, v, bl, b, h, sh.Hkv, d, scratch);
+      gather_block(k, v, bl, b, h, sh.Hkv, d, Pass::kBackward, scratch);
       std::fill(scratch.dk.begin(), scratch.dk.begin() + lk * d, 0.0f);
       std::fill(scratch.dv.begin(), scratch.dv.begin() + lk * d, 0.0f);
       for (int64_t hq = h * group; hq < (h + 1) * group; ++hq) {
@@ -272,7 +285,7 @@ void varlen_attention_backward(py::object q_obj, py::object k_obj, py::object v_
         }
       }
       for (int64_t j = 0; j < lk; ++j) {
-        const int64_t row = (bl.key_row(k0 + j) * sh.Hkv + h) * d;
+        const int64_t row = scratch.off[j];
         for (int64_t i = 0; i < d; ++i) {
           dk[row + i] += scratch.dk[j * d + i];
           dv[row + i] += scratch.dv[j * d + i];
