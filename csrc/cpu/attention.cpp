@@ -92,7 +92,7 @@ void gather_block(const float* k, const float* v, const Blocks& bl, int64_t b, i
 COD_INLINE int64_t scores(const float* q, const float* kt, int64_t n, int64_t pitch, int64_t d,
                           float scale, float* s) {
   const int64_t span = padded(n);
-  columns_dot(q, kt, pitch, d, span, s);
+  weighted_rows(q, kt, pitch, d, span, s);
 #pragma omp simd
   for (int64_t j = 0; j < span; ++j) s[j] = j < n ? s[j] * scale : -INFINITY;
   return span;
@@ -111,7 +111,7 @@ float attend_query(const float* q, Scratch& sc, int64_t n, int64_t d, float scal
     s[j] = p;
     total += p;
   }
-  rows_weighted_sum(s, sc.vr.data(), n, d, o);
+  weighted_rows(s, sc.vr.data(), d, n, d, o);
   const float inv = 1.0f / total;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) o[i] *= inv;
@@ -132,10 +132,10 @@ void attend_query_backward(const float* q, const float* o, const float* dout, fl
 #pragma omp simd
   for (int64_t j = 0; j < span; ++j) s[j] = exp_nonpos(s[j] - lse);
   float* ds = s + sc.pitch;
-  columns_dot(dout, sc.vt.data(), sc.pitch, d, span, ds);
+  weighted_rows(dout, sc.vt.data(), sc.pitch, d, span, ds);
 #pragma omp simd
   for (int64_t j = 0; j < span; ++j) ds[j] = s[j] * (ds[j] - delta) * scale;
-  rows_weighted_sum(ds, sc.kr.data(), n, d, dq);
+  weighted_rows(ds, sc.kr.data(), d, n, d, dq);
   float* dk = sc.dk.data();
   float* dv = sc.dv.data();
   for (int64_t j = 0; j < n; ++j) {

@@ -96,98 +96,53 @@ constexpr int64_t kLanes = 16;  // a 512-bit vector of floats
 
 inline int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// s[0, kWidth) = sum_i a[i] M[i pitch + j]: kWidth / kLanes vectors of columns, each with two
-// accumulators (even and odd i), so 2 kWidth / kLanes independent multiply-add chains.
+// out[j] = sum_r c[r] M[r stride + j] for j < kWidth: kWidth / kLanes vectors of columns, each
+// with two accumulators (even and odd r), so 2 kWidth / kLanes independent multiply-add chains
+// held in registers (a running sum in memory would wait on each store).
 template <int64_t kWidth>
-COD_INLINE void columns_dot_block(const float* a, const float* M, int64_t pitch, int64_t d,
-                                  float* s) {
-  float even[kWidth] = {}, odd[kWidth] = {};
-  int64_t i = 0;
-  for (; i + 1 < d; i += 2) {
-    const float ae = a[i], ao = a[i + 1];
-    const float* re = M + i * pitch;
-    const float* ro = re + pitch;
-#pragma omp simd
-    for (int64_t j = 0; j < kWidth; ++j) {
-      even[j] += ae * re[j];
-      odd[j] += ao * ro[j];
-    }
-  }
-  if (i < d) {
-    const float ae = a[i];
-    const float* re = M + i * pitch;
-#pragma omp simd
-    for (int64_t j = 0; j < kWidth; ++j) even[j] += ae * re[j];
-  }
-  for (int64_t j = 0; j < kWidth; ++j) s[j] = even[j] + odd[j];
-}
-
-// s[l] = sum_i a[i] M[i pitch + l] for l < span (<= pitch): the columns of M [d, pitch] dotted
-// with a [d], up to four vectors of columns at a time with their sums in registers (a running
-// sum in memory would wait on each store). Callers pad span to whole vectors where they can; a
-// remainder runs column by column.
-COD_INLINE void columns_dot(const float* a, const float* M, int64_t pitch, int64_t d,
-                            int64_t span, float* s) {
-  int64_t l0 = 0;
-  for (; l0 + 4 * kLanes <= span; l0 += 4 * kLanes) {
-    columns_dot_block<4 * kLanes>(a, M + l0, pitch, d, s + l0);
-  }
-  switch ((span - l0) / kLanes) {
-    case 3: columns_dot_block<3 * kLanes>(a, M + l0, pitch, d, s + l0); break;
-    case 2: columns_dot_block<2 * kLanes>(a, M + l0, pitch, d, s + l0); break;
-    case 1: columns_dot_block<kLanes>(a, M + l0, pitch, d, s + l0); break;
-    default: break;
-  }
-  for (l0 += (span - l0) / kLanes * kLanes; l0 < span; ++l0) {
-    float acc = 0.0f;
-    for (int64_t i = 0; i < d; ++i) acc += a[i] * M[i * pitch + l0];
-    s[l0] = acc;
-  }
-}
-
-// out[0, kWidth) = sum_l p[l] R[l d + j], even and odd rows in separate registers.
-template <int64_t kWidth>
-COD_INLINE void rows_weighted_block(const float* p, const float* R, int64_t n, int64_t d,
+COD_INLINE void weighted_rows_block(const float* c, const float* M, int64_t stride, int64_t rows,
                                     float* out) {
   float even[kWidth] = {}, odd[kWidth] = {};
-  int64_t l = 0;
-  for (; l + 1 < n; l += 2) {
-    const float pe = p[l], po = p[l + 1];
-    const float* re = R + l * d;
-    const float* ro = re + d;
+  int64_t r = 0;
+  for (; r + 1 < rows; r += 2) {
+    const float ce = c[r], co = c[r + 1];
+    const float* me = M + r * stride;
+    const float* mo = me + stride;
 #pragma omp simd
     for (int64_t j = 0; j < kWidth; ++j) {
-      even[j] += pe * re[j];
-      odd[j] += po * ro[j];
+      even[j] += ce * me[j];
+      odd[j] += co * mo[j];
     }
   }
-  if (l < n) {
-    const float pe = p[l];
-    const float* re = R + l * d;
+  if (r < rows) {
+    const float ce = c[r];
+    const float* me = M + r * stride;
 #pragma omp simd
-    for (int64_t j = 0; j < kWidth; ++j) even[j] += pe * re[j];
+    for (int64_t j = 0; j < kWidth; ++j) even[j] += ce * me[j];
   }
   for (int64_t j = 0; j < kWidth; ++j) out[j] = even[j] + odd[j];
 }
 
-// out[i] = sum_l p[l] R[l d + i] for i < d: the rows of R [n, d] weighted by p [n], up to four
-// vectors of columns at a time; columns past the last whole vector one by one.
-COD_INLINE void rows_weighted_sum(const float* p, const float* R, int64_t n, int64_t d,
-                                  float* out) {
-  int64_t i0 = 0;
-  for (; i0 + 4 * kLanes <= d; i0 += 4 * kLanes) {
-    rows_weighted_block<4 * kLanes>(p, R + i0, n, d, out + i0);
+// out[j] = sum_r c[r] M[r stride + j] for j < cols: `rows` rows of M weighted by c, up to four
+// vectors of columns at a time, columns past the last whole vector one by one. With M the keys
+// transposed ([d, pitch]) and c a query this is the query's scores along the keys; with M the
+// values by row ([n, d]) and c the probabilities, the attention output.
+COD_INLINE void weighted_rows(const float* c, const float* M, int64_t stride, int64_t rows,
+                              int64_t cols, float* out) {
+  int64_t j0 = 0;
+  for (; j0 + 4 * kLanes <= cols; j0 += 4 * kLanes) {
+    weighted_rows_block<4 * kLanes>(c, M + j0, stride, rows, out + j0);
   }
-  switch ((d - i0) / kLanes) {
-    case 3: rows_weighted_block<3 * kLanes>(p, R + i0, n, d, out + i0); break;
-    case 2: rows_weighted_block<2 * kLanes>(p, R + i0, n, d, out + i0); break;
-    case 1: rows_weighted_block<kLanes>(p, R + i0, n, d, out + i0); break;
+  switch ((cols - j0) / kLanes) {
+    case 3: weighted_rows_block<3 * kLanes>(c, M + j0, stride, rows, out + j0); break;
+    case 2: weighted_rows_block<2 * kLanes>(c, M + j0, stride, rows, out + j0); break;
+    case 1: weighted_rows_block<kLanes>(c, M + j0, stride, rows, out + j0); break;
     default: break;
   }
-  for (i0 += (d - i0) / kLanes * kLanes; i0 < d; ++i0) {
+  for (j0 += (cols - j0) / kLanes * kLanes; j0 < cols; ++j0) {
     float acc = 0.0f;
-    for (int64_t l = 0; l < n; ++l) acc += p[l] * R[l * d + i0];
-    out[i0] = acc;
+    for (int64_t r = 0; r < rows; ++r) acc += c[r] * M[r * stride + j0];
+    out[j0] = acc;
   }
 }
 

@@ -96,7 +96,7 @@ void swiglu_span_backward(float* dp, const float* g, const float* u, float* du, 
 COD_CLONES
 void attend_one(const float* q, const float* KT, const float* V, const uint8_t* mask, int64_t n,
                 int64_t span, int64_t W, int64_t d, float scale, float* scores, float* out) {
-  columns_dot(q, KT, W, d, span, scores);
+  weighted_rows(q, KT, W, d, span, scores);
 #pragma omp simd
   for (int64_t l = 0; l < span; ++l) {
     scores[l] = (l < n) & (mask[l] != 0) ? scores[l] * scale : -INFINITY;
@@ -113,7 +113,7 @@ void attend_one(const float* q, const float* KT, const float* V, const uint8_t* 
     scores[l] = p;
     total += p;
   }
-  rows_weighted_sum(scores, V, n, d, out);
+  weighted_rows(scores, V, d, n, d, out);
   const float inv = 1.0f / total;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) out[i] *= inv;
