@@ -122,41 +122,71 @@ def test_torch_functions_pass_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda a, b: RMSNormFunction.apply(a, b, 1e-6, "torch"), [x, w])
 
 
-def exact_attention(q, keys, values, mask, n, scale):
-    """float64 softmax(scale q K^T) V over the first n columns, masked, grouped heads; rows with
-    no key give zeros."""
+def exact_decode(q, k, v, norms, cos, sin, keys, values, mask, col, scale):
+    """float64 reference of a decode step: per-head norms, rotary, the new column, then
+    softmax(scale q K^T) V over columns 0..col where `mask` is true (grouped heads; a row with
+    no key gives zeros). Returns (out, rotated k)."""
+    q, k, v, cos, sin = (t.double() for t in (q, k, v, cos, sin))
+    if norms is not None:
+        q = exact_rms(q, norms[0].double(), norms[2])
+        k = exact_rms(k, norms[1].double(), norms[2])
+    half = q.shape[-1] // 2
+
+    def rope(x):
+        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+
+    q, k = rope(q), rope(k)
+    keys, values = keys[:, :, : col + 1].double().clone(), values[:, :, : col + 1].double().clone()
+    keys[:, :, col], values[:, :, col] = k, v
     group = q.shape[1] // keys.shape[1]
-    k = keys[:, :, :n].double().repeat_interleave(group, dim=1)
-    v = values[:, :, :n].double().repeat_interleave(group, dim=1)
-    s = scale * q.double() @ k.transpose(-1, -2)
-    s = s.masked_fill(~mask[:, None, None, :n], float("-inf"))
+    keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
+    s = scale * (q[:, :, None] @ keys.transpose(-1, -2))[:, :, 0]  # [B, Hq, col + 1]
+    s = s.masked_fill(~mask[:, None, : col + 1], float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return p @ v
+    return (p[:, :, None] @ values)[:, :, 0], k
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "no-norm"])
 @pytest.mark.parametrize(
-    "rows, heads, kv_heads, width, n, d",
-    [(1, 1, 1, 1, 1, 1), (5, 6, 2, 40, 33, 13), (32, 3, 3, 80, 57, 32), (3, 4, 1, 9, 9, 64)],
+    "rows, heads, kv_heads, width, col, d",
+    [(1, 1, 1, 1, 0, 2), (5, 6, 2, 40, 32, 14), (32, 3, 3, 80, 56, 32), (3, 4, 1, 9, 8, 64)],
 )
-def test_decode_attention_matches_float64(impl, rows, heads, kv_heads, width, n, d):
-    """One query per row and head against a cache's first n columns under a key mask (with a
-    fully masked row), grouped-query heads, equals the float64 attention."""
-    g = torch.Generator().manual_seed(rows * 100 + n)
-    q = torch.randn(rows, heads, 1, d, generator=g)
+def test_decode_attention_matches_float64(impl, normed, rows, heads, kv_heads, width, col, d):
+    """A decode step after the projections (per-head norms, rotary, the new cache column, one
+    query per row and head under a key mask with a fully masked row, grouped heads) is within
+    twice the torch float32 path's distance of float64; it writes column `col` of the cache
+    and nothing past it."""
+    g = torch.Generator().manual_seed(rows * 100 + col + normed)
+    q = 2 * torch.randn(rows, heads, d, generator=g)
+    k, v = (torch.randn(rows, kv_heads, d, generator=g) for _ in range(2))
+    theta = torch.rand(rows, d // 2, generator=g) * 50
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    norms = (1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g), 1e-6)
+    norms = norms if normed else None
     keys = torch.randn(rows, kv_heads, width, d, generator=g)
     values = torch.randn(rows, kv_heads, width, d, generator=g)
-    keys[:, :, n:] = float("nan")  # columns past n must not be read
-    values[:, :, n:] = float("nan")
+    keys[:, :, col + 1 :] = float("nan")  # columns past col must be neither read nor written
+    values[:, :, col + 1 :] = float("nan")
     mask = torch.rand(rows, width + 3, generator=g) > 0.3
-    mask[:, n - 1] = True
+    mask[:, col] = True
     if rows > 2:
         mask[1] = False  # no key at all
     scale = 1 / math.sqrt(d)
-    exact = exact_attention(q, keys, values, mask, n, scale)
-    got = decode_attention(q, keys.transpose(-1, -2).contiguous(), values, mask, n, scale, impl)
+    exact, exact_k = exact_decode(q, k, v, norms, cos, sin, keys, values, mask, col, scale)
+
+    def run(impl):
+        keys_t, vals = keys.transpose(-1, -2).contiguous(), values.clone()
+        out = decode_attention(q, k, v, norms, cos, sin, keys_t, vals, mask, col, scale, impl)
+        return out, keys_t, vals
+
+    eager, _, _ = run("torch")
+    got, keys_t, vals = run(impl)
     assert got.shape == q.shape
-    torch.testing.assert_close(got.double(), exact, rtol=0, atol=8 * EPS32 * math.sqrt(n))
+    within_budget("out", got, eager, exact, slack=16)
+    torch.testing.assert_close(keys_t[..., col].double(), exact_k, rtol=0, atol=1e-5)
+    assert torch.equal(vals[:, :, col], v)
+    assert keys_t[..., col + 1 :].isnan().all() and vals[:, :, col + 1 :].isnan().all()
 
 
 @needs_cpp
@@ -174,11 +204,15 @@ def test_cpp_kernels_overwrite_every_output():
     gp, du, prod = x.copy(), np.full_like(x, np.nan), np.full_like(x, np.nan)
     _cpp.swiglu_forward(x, x, y)
     _cpp.swiglu_backward_(gp, x, x, du, prod)
-    q = g.standard_normal((2, 2, 5), dtype=np.float32)
-    keys_t = g.standard_normal((2, 1, 5, 4), dtype=np.float32)
-    values = g.standard_normal((2, 1, 4, 5), dtype=np.float32)
+    q = g.standard_normal((2, 2, 4), dtype=np.float32)
+    kv = g.standard_normal((2, 1, 4), dtype=np.float32)
+    cos_sin = g.standard_normal((2, 4), dtype=np.float32)
+    keys_t = g.standard_normal((2, 1, 4, 5), dtype=np.float32)
+    values = g.standard_normal((2, 1, 5, 4), dtype=np.float32)
     out = np.full_like(q, np.nan)
-    _cpp.decode_attention(q, keys_t, values, np.ones((2, 4), dtype=bool), 3, 0.5, out)
+    mask = np.ones((2, 5), dtype=bool)
+    _cpp.decode_attention_(q, kv, kv, None, None, 1e-6, cos_sin, cos_sin, keys_t, values, mask,
+                           2, 0.5, out)  # fmt: skip
     for name, a in dict(y=y, rstd=rstd, dx=dx, dw=dw, gp=gp, du=du, prod=prod, out=out).items():
         assert np.isfinite(a).all(), name
 
@@ -201,13 +235,19 @@ def test_bad_arguments_are_named():
         rms_norm(
             torch.ones(2, 3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 1e-6, "cpp"
         )
-    q, keys_t, values = torch.ones(1, 2, 1, 4), torch.ones(1, 1, 4, 3), torch.ones(1, 1, 3, 4)
+    q, kv, cs = torch.ones(1, 2, 4), torch.ones(1, 1, 4), torch.ones(1, 4)
+    keys_t, values = torch.ones(1, 1, 4, 3), torch.ones(1, 1, 3, 4)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="n = 4 must be in"):
-        decode_attention(q, keys_t, values, mask, 4, 1.0, impl="cpp")
+    with pytest.raises(ValueError, match="col = 3 must be in"):
+        decode_attention(q, kv, kv, None, cs, cs, keys_t, values, mask, 3, 1.0, impl="cpp")
     with pytest.raises(ValueError, match="multiple of key-value heads"):
-        decode_attention(q, keys_t.expand(1, 3, 4, 3).contiguous(),
+        decode_attention(q, torch.ones(1, 3, 4), torch.ones(1, 3, 4), None, cs, cs,
+                         keys_t.expand(1, 3, 4, 3).contiguous(),
                          values.expand(1, 3, 3, 4).contiguous(), mask, 2, 1.0, impl="cpp")  # fmt: skip
+    with pytest.raises(ValueError, match="must be even"):
+        odd = torch.ones(1, 2, 3)
+        decode_attention(odd, odd[:, :1], odd[:, :1], None, torch.ones(1, 3), torch.ones(1, 3),
+                         torch.ones(1, 1, 3, 3), torch.ones(1, 1, 3, 3), mask, 0, 1.0, "cpp")  # fmt: skip
     with pytest.raises(ValueError, match="unknown layer kernel"):
         layer_impl("triton", torch.ones(1))
 

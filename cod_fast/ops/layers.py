@@ -7,9 +7,10 @@ Three kernel families, each with ``impl=`` (`cpp`, `torch`; `None`: the default 
   stays float64). Its autograd function saves x and the [N] reciprocal RMS only.
 - `swiglu_down(gate, up, down_weight)`: down(SiLU(gate) * up), saving gate and up only and
   recomputing SiLU(gate) * up in the backward pass.
-- `decode_attention(q, keys_t, values, mask, n, scale)`: one query per row and head against
-  the first n columns of a preallocated KV cache, keys stored transposed (the torch sampler's
-  decode step).
+- `decode_attention(q, k, v, norms, cos, sin, keys_t, values, mask, col, scale)`: a decode
+  step's attention after the projections (the torch sampler's fast path): per-head norms and
+  rotary of q and k, the new KV-cache column, one query per row and head against the cache
+  (its keys stored transposed).
 
 On a small model each is a chain of 4-12 torch ops, each one more pass over memory plus a
 dispatch (`cod-fast bench e2e`, tiny model: the norms and the SwiGLU elementwise work were about
@@ -233,40 +234,54 @@ def swiglu_down(
 # --- one-query attention -----------------------------------------------------------------------
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., d] (halves layout, as transformers')."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 def decode_attention(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     keys_t: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
-    n: int,
+    col: int,
     scale: float,
     impl: str | None = None,
 ) -> torch.Tensor:
-    """softmax(scale q K^T) V [B, Hq, 1, d] of queries q [B, Hq, 1, d] against the first `n`
-    columns of a KV cache: keys stored transposed, keys_t [B, Hkv, d, W] (so the C++ score loop
-    runs along contiguous keys), values [B, Hkv, W, d]; Hq a multiple of Hkv (grouped-query
-    heads); only keys where the bool `mask` [B, >= n] is true. A row with no key gets zeros
-    (as torch's CPU SDPA gives)."""
+    """One decode step's attention from the projections q [B, Hq, d], k and v [B, Hkv, d]
+    (Hq a multiple of Hkv): q and k normalised per head when `norms` = (q_norm weight, k_norm
+    weight, eps) is given (Qwen3), then rotated by cos, sin [B, d]; k and v written into column
+    `col` of a KV cache kept with its keys transposed, keys_t [B, Hkv, d, W] and values
+    [B, Hkv, W, d]; then each query attends to columns 0..col where the bool `mask` [B, >= col
+    + 1] is true. Returns [B, Hq, d]; a row with no key gets zeros (as torch's CPU SDPA)."""
     impl = layer_impl(impl, q)
     if impl == "cpp" and keys_t.is_contiguous() and values.is_contiguous():
-        rows, heads, _, d = q.shape
+        q_w, k_w, eps = norms if norms is not None else (None, None, 0.0)
         out = torch.empty_like(q)
-        cpp_rows._module().decode_attention(
-            _np(q.reshape(rows, heads, d).contiguous()),
-            _np(keys_t),
-            _np(values),
-            _np(mask.contiguous()),
-            n,
-            scale,
-            _np(out.view(rows, heads, d)),
-            num_threads=torch.get_num_threads(),
-        )
+        cpp_rows._module().decode_attention_(
+            _np(q.contiguous()), _np(k.contiguous()), _np(v.contiguous()),
+            None if q_w is None else _copy(q_w), None if k_w is None else _copy(k_w), eps,
+            _np(cos.contiguous()), _np(sin.contiguous()), _np(keys_t), _np(values),
+            _np(mask.contiguous()), col, scale, _np(out), num_threads=torch.get_num_threads(),
+        )  # fmt: skip
         return out
-    return F.scaled_dot_product_attention(
-        q,
-        keys_t[..., :n].transpose(-1, -2),
-        values[:, :, :n],
-        attn_mask=mask[:, None, None, :n],
+    if norms is not None:
+        q, k = rms_norm(q, norms[0], norms[2], impl), rms_norm(k, norms[1], norms[2], impl)
+    q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+    keys_t[..., col] = k
+    values[:, :, col] = v
+    out = F.scaled_dot_product_attention(
+        q[:, :, None],
+        keys_t[..., : col + 1].transpose(-1, -2),
+        values[:, :, : col + 1],
+        attn_mask=mask[:, None, None, : col + 1],
         scale=scale,
         enable_gqa=keys_t.shape[1] != q.shape[1],
     )
+    return out[:, :, 0]

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cod_fast.lean import _lean_mlp_forward, _lean_norm_forward
-from cod_fast.ops.layers import decode_attention, layer_impl, rms_norm, swiglu
+from cod_fast.ops.layers import decode_attention, layer_impl, rms_norm, rotate, swiglu
 from cod_fast.rollout.vllm_sampler import head_dim
 
 _LINEAR_NAMES = (
@@ -54,12 +54,6 @@ ARCHITECTURES = {
     "llama": False,
     "mistral": False,
 }
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [B, heads, T, d] (halves layout, as transformers')."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 @dataclass
@@ -114,8 +108,15 @@ class FastDecoder:
             if not hasattr(inner, name):
                 return f"the model has no model.{name}"
         for layer in inner.layers:
-            if getattr(layer.self_attn, "sliding_window", None):
+            attn = layer.self_attn
+            if getattr(attn, "sliding_window", None):
                 return "a sliding-window attention layer"
+            norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+            if (
+                ARCHITECTURES[kind]
+                and len({getattr(m, "variance_epsilon", None) for m in norms}) != 1
+            ):
+                return "q_norm and k_norm with different epsilons (the fast path takes one)"
         for name, module in model.named_modules():
             if module._forward_hooks or module._forward_pre_hooks:
                 return f"{name or 'the model'} has a forward hook (the fast path would skip it)"
@@ -143,9 +144,12 @@ class FastDecoder:
         attn_mask = (causal & mask.bool()[:, None, :]) | own  # [B, W queries, W keys]
         cache = DynamicCache(config=self.model.config)
 
-        def attend(layer, q, k, v, scale):
+        def attend(layer, attn, q, k, v, cos, sin):
+            q, k = self._positioned(attn, q, k, cos, sin)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, W, d]
             cache.update(k, v, layer)
-            return self._sdpa(q, k, v, attn_mask[:, None], scale)
+            out = self._sdpa(q.transpose(1, 2), k, v, attn_mask[:, None], attn.scaling)
+            return out.transpose(1, 2)
 
         return cache, self._run(ids, positions, attend)
 
@@ -181,11 +185,15 @@ class FastDecoder:
         if col >= self.mask.shape[1]:
             raise RuntimeError("FastDecoder: the cache is full; start() with more new_tokens")
 
-        def attend(layer, q, k, v, scale):
-            keys, values = self.keys[layer], self.values[layer]
-            keys[..., col : col + 1] = k.transpose(-1, -2)
-            values[:, :, col : col + 1] = v
-            return decode_attention(q, keys, values, self.mask, col + 1, scale)
+        def attend(layer, attn, q, k, v, cos, sin):
+            norms = None
+            if self.qk_norm:
+                norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
+            out = decode_attention(
+                q[:, 0], k[:, 0], v[:, 0], norms, cos[:, 0],
+                sin[:, 0], self.keys[layer], self.values[layer], self.mask, col, attn.scaling,
+            )  # fmt: skip
+            return out[:, None]
 
         logits = self._run(tokens, positions, attend)
         self.col += 1
@@ -195,11 +203,11 @@ class FastDecoder:
 
     def _run(self, tokens, positions, attend) -> torch.Tensor:
         """The model on `tokens` [B, T] at `positions` [B, T]: [B, V] logits of the last
-        position; `attend(layer, q, k, v, scale)` ([B, heads, T, d] each) does the attention."""
+        position; `attend(layer, attention module, q, k, v, cos, sin)` (the projections
+        [B, T, heads, d], the rotary's [B, T, d]) returns the attention [B, T, heads, d]."""
         rows, count = tokens.shape
         x = self.embed(tokens)  # [B, T, H]
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, T, d]
+        cos, sin = self.rotary(x, positions)  # [B, T, d]
         shape = (rows, count, -1, self.head_dim)
         for i, layer in enumerate(self.layers):
             attn = layer.attn
@@ -207,16 +215,18 @@ class FastDecoder:
             q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(shape)
             k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(shape)
             v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(shape)
-            if self.qk_norm:
-                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-            q = rotate(q.transpose(1, 2), cos, sin)  # [B, heads, T, d]
-            k = rotate(k.transpose(1, 2), cos, sin)
-            out = attend(i, q, k, v.transpose(1, 2), attn.scaling)
-            out = out.transpose(1, 2).reshape(rows, count, -1)
+            out = attend(i, attn, q, k, v, cos, sin).reshape(rows, count, -1)
             x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
             x = x + self._mlp(layer.mlp, self._norm(layer.norm_post, x))
         x = self._norm(self.final_norm, x[:, -1])
         return F.linear(x, self.head.weight, self.head.bias)
+
+    def _positioned(self, attn, q, k, cos, sin):
+        """q, k [B, T, heads, d] normalised per head (Qwen3) and rotated."""
+        if self.qk_norm:
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, d]
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
     def _sdpa(self, q, k, v, attn_mask, scale):
         gqa = self.kv_heads != self.heads

@@ -3,8 +3,10 @@
 //                                          its gradients (dx, and dw summed over the rows);
 //   swiglu_forward / swiglu_backward_    : SiLU(g) * u, and its gradients (with the product
 //                                          itself for down_proj's weight gradient);
-//   decode_attention                     : one query per (row, head) against the first n columns
-//                                          of a preallocated KV cache (keys stored transposed),
+//   decode_attention_                    : a decode step's attention after the projections: the
+//                                          per-head norms and rotary of q and k, the new cache
+//                                          column, one query per (row, head) against the first
+//                                          col + 1 columns of the cache (keys stored transposed),
 //                                          under a key mask.
 // On a small model every one of these is a chain of 4-12 torch ops, each a pass over memory plus
 // a dispatch; here each is one pass (cod_fast.ops.layers wraps them; the torch code there is the
@@ -27,6 +29,7 @@ namespace {
 using namespace cod_cpu;
 
 constexpr int64_t kParallelFloor = 1 << 15;  // elements below which one thread does the work
+constexpr int64_t kMaxHead = 1024;           // the largest head size the decode step takes
 
 COD_INLINE float sigmoid(float g) {
   const float e = exp_nonpos(-std::fabs(g));
@@ -117,6 +120,30 @@ void attend_one(const float* q, const float* KT, const float* V, const uint8_t* 
   const float inv = 1.0f / total;
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) out[i] *= inv;
+}
+
+// One head's vector for a decode step, into y [d]: weight * x / rms(x) when `w` is given (Qwen3's
+// per-head q_norm / k_norm), then the rotary embedding y * cos + rotate_half(y) * sin (halves
+// layout: rotate_half(y) = [-y[d/2:], y[:d/2]]), as transformers computes them.
+COD_CLONES
+void position_head(const float* x, const float* w, float eps, const float* cos, const float* sin,
+                   int64_t d, float* y) {
+  float r = 1.0f;
+  if (w != nullptr) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+    r = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+  }
+  float normed[kMaxHead];
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) normed[i] = w != nullptr ? w[i] * (x[i] * r) : x[i];
+  const int64_t half = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    y[i] = normed[i] * cos[i] - normed[i + half] * sin[i];
+    y[i + half] = normed[i + half] * cos[i + half] + normed[i] * sin[i + half];
+  }
 }
 
 int64_t dim(const py::object& obj, const char* name, int ndim, int axis) {
@@ -211,8 +238,13 @@ void swiglu_backward_(py::object dp_obj, py::object g_obj, py::object u_obj, py:
   });
 }
 
-void decode_attention(py::object q_obj, py::object kt_obj, py::object v_obj, py::object mask_obj,
-                      int64_t n, double scale, py::object out_obj, int num_threads) {
+// The attention of one decode step after the q, k, v projections: per row b, each key-value
+// head's k (normalised, rotated) and v go into cache column `col`, then each query head's q
+// (normalised, rotated) attends to the first col + 1 columns.
+void decode_attention_(py::object q_obj, py::object k_obj, py::object v_obj, py::object qw_obj,
+                       py::object kw_obj, double eps, py::object cos_obj, py::object sin_obj,
+                       py::object kt_obj, py::object values_obj, py::object mask_obj, int64_t col,
+                       double scale, py::object out_obj, int num_threads) {
   const int64_t B = dim(q_obj, "q", 3, 0), Hq = dim(q_obj, "q", 3, 1), d = dim(q_obj, "q", 3, 2);
   const int64_t Hkv = dim(kt_obj, "keys_t", 4, 1), W = dim(kt_obj, "keys_t", 4, 3);
   const int64_t Wm = dim(mask_obj, "mask", 2, 1);
@@ -221,29 +253,54 @@ void decode_attention(py::object q_obj, py::object kt_obj, py::object v_obj, py:
                                 ") must be a multiple of key-value heads (" + std::to_string(Hkv) +
                                 ")");
   }
-  if (n < 1 || n > W || n > Wm) {
-    throw std::invalid_argument("n = " + std::to_string(n) + " must be in [1, min(cache width " +
-                                std::to_string(W) + ", mask width " + std::to_string(Wm) + ")]");
+  if (d % 2 != 0 || d > kMaxHead) {
+    throw std::invalid_argument("head size " + std::to_string(d) + " must be even and at most " +
+                                std::to_string(kMaxHead));
+  }
+  const int64_t n = col + 1;
+  if (col < 0 || n > W || n > Wm) {
+    throw std::invalid_argument("col = " + std::to_string(col) + " must be in [0, min(cache width " +
+                                std::to_string(W) + ", mask width " + std::to_string(Wm) + "))");
   }
   const float* q = array_data<float>(q_obj, "q", {B, Hq, d}, false);
-  const float* KT = array_data<float>(kt_obj, "keys_t", {B, Hkv, d, W}, false);
-  const float* V = array_data<float>(v_obj, "values", {B, Hkv, W, d}, false);
-  const auto* mask = reinterpret_cast<const uint8_t*>(array_data<bool>(mask_obj, "mask", {B, Wm}, false));
+  const float* k = array_data<float>(k_obj, "k", {B, Hkv, d}, false);
+  const float* v = array_data<float>(v_obj, "v", {B, Hkv, d}, false);
+  const float* qw = qw_obj.is_none() ? nullptr : array_data<float>(qw_obj, "q_norm", {d}, false);
+  const float* kw = kw_obj.is_none() ? nullptr : array_data<float>(kw_obj, "k_norm", {d}, false);
+  const float* cos = array_data<float>(cos_obj, "cos", {B, d}, false);
+  const float* sin = array_data<float>(sin_obj, "sin", {B, d}, false);
+  float* KT = array_data<float>(kt_obj, "keys_t", {B, Hkv, d, W}, true);
+  float* V = array_data<float>(values_obj, "values", {B, Hkv, W, d}, true);
+  const auto* mask =
+      reinterpret_cast<const uint8_t*>(array_data<bool>(mask_obj, "mask", {B, Wm}, false));
   float* out = array_data<float>(out_obj, "out", {B, Hq, d}, true);
   const int64_t group = Hq / Hkv;
   const int64_t span = std::min({padded(n), W, Wm});
-  const float s = static_cast<float>(scale);
+  const float s = static_cast<float>(scale), e = static_cast<float>(eps);
   py::gil_scoped_release release;
   const int threads = B * Hq * n * d >= kParallelFloor ? threads_for(num_threads) : 1;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(static_cast<size_t>(span));
+    float y[kMaxHead];
 #pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < B * Hq; ++bh) {
-      const int64_t b = bh / Hq, kv = (bh % Hq) / group;
-      const int64_t base = (b * Hkv + kv) * W * d;
-      attend_one(q + bh * d, KT + base, V + base, mask + b * Wm, n, span, W, d, s, scores.data(),
-                 out + bh * d);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* c = cos + b * d;
+      const float* sn = sin + b * d;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t base = (b * Hkv + h) * W * d;
+        position_head(k + (b * Hkv + h) * d, kw, e, c, sn, d, y);
+        for (int64_t i = 0; i < d; ++i) {
+          KT[base + i * W + col] = y[i];
+          V[base + col * d + i] = v[(b * Hkv + h) * d + i];
+        }
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        const int64_t base = (b * Hkv + hq / group) * W * d;
+        position_head(q + (b * Hq + hq) * d, qw, e, c, sn, d, y);
+        attend_one(y, KT + base, V + base, mask + b * Wm, n, span, W, d, s, scores.data(),
+                   out + (b * Hq + hq) * d);
+      }
     }
   }
 }
@@ -263,8 +320,12 @@ void bind_layers(py::module_& m) {
   m.def("swiglu_backward_", &swiglu_backward_, py::arg("grad_product"), py::arg("gate"),
         py::arg("up"), py::arg("grad_up"), py::arg("product"), nt,
         "grad_product <- dL/dgate; writes grad_up and product = SiLU(gate) * up (None: skipped).");
-  m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("keys_t"), py::arg("values"),
-        py::arg("mask"), py::arg("n"), py::arg("scale"), py::arg("out"), nt,
-        "out [B, Hq, d] = softmax(scale q K^T) V over the first n cache columns of keys_t "
-        "[B, Hkv, d, W] (keys transposed) and values [B, Hkv, W, d] where mask [B, >= n] is true.");
+  m.def("decode_attention_", &decode_attention_, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"), py::arg("sin"),
+        py::arg("keys_t"), py::arg("values"), py::arg("mask"), py::arg("col"), py::arg("scale"),
+        py::arg("out"), nt,
+        "A decode step's attention from the projections q [B, Hq, d], k, v [B, Hkv, d]: per-head "
+        "norms (None: none) and rotary (cos, sin [B, d]); writes cache column col of keys_t "
+        "[B, Hkv, d, W] and values [B, Hkv, W, d]; out [B, Hq, d] over columns 0..col where "
+        "mask [B, >= col + 1] is true.");
 }
