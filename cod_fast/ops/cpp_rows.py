@@ -37,6 +37,20 @@ def _module():
     return _cpp
 
 
+def np_view(t: torch.Tensor | None):
+    """Zero-copy numpy view for the C++ kernels that check dtype, shape and contiguity
+    themselves (None passes through): the decode step calls them too often for `_array`'s
+    Python checks. Activations and fresh outputs only: sharing a storage with numpy makes it
+    non-resizable for good, and FSDP2 frees a gathered parameter by resizing its storage to 0,
+    so parameters go through `np_copy`."""
+    return None if t is None else t.detach().numpy()
+
+
+def np_copy(weight: torch.Tensor | None):
+    """A numpy copy of a parameter (see `np_view`; a norm weight is H floats)."""
+    return None if weight is None else weight.detach().clone().numpy()
+
+
 def _array(t: torch.Tensor | None, name: str, *, ndim: int = 1):
     """Zero-copy numpy view of a CPU float32 contiguous tensor (None passes through)."""
     if t is None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from cod_fast.ops import cpp_rows
+from cod_fast.ops.cpp_rows import np_copy, np_view
 from cod_fast.ops.dispatch import ENV_VAR, _warn_cpp_missing
 
 LAYER_IMPLS = ("cpp", "torch")
@@ -59,18 +60,6 @@ def layer_impl(impl: str | None, x: torch.Tensor) -> str:
     return impl
 
 
-def _np(t: torch.Tensor):
-    """A numpy view for the C++ kernels (activations and fresh outputs only: sharing a storage
-    with numpy makes it non-resizable for good, and FSDP2 frees a gathered parameter by
-    resizing its storage to 0, so parameters reach the kernels through `_copy`)."""
-    return t.detach().numpy()
-
-
-def _copy(weight: torch.Tensor):
-    """A numpy copy of a parameter (see `_np`; a norm weight is H floats)."""
-    return weight.detach().clone().numpy()
-
-
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """float32 for 16-bit inputs and float32 (as transformers computes), float64 for float64
     (where transformers' module would round to float32)."""
@@ -85,7 +74,12 @@ def _rms_forward(x2, weight, eps: float, impl: str):
     if impl == "cpp":
         y, rstd = torch.empty_like(x2), x2.new_empty(x2.shape[0])
         cpp_rows._module().rms_norm_forward(
-            _np(x2), _copy(weight), eps, _np(y), _np(rstd), num_threads=torch.get_num_threads()
+            np_view(x2),
+            np_copy(weight),
+            eps,
+            np_view(y),
+            np_view(rstd),
+            num_threads=torch.get_num_threads(),
         )
         return y, rstd
     wide = x2.to(_wide(x2.dtype))
@@ -99,12 +93,12 @@ def _rms_backward(grad, x2, weight, rstd, weight_grad: bool, impl: str):
         dx = torch.empty_like(x2)
         dw = torch.empty_like(weight) if weight_grad else None
         cpp_rows._module().rms_norm_backward(
-            _np(grad),
-            _np(x2),
-            _copy(weight),
-            _np(rstd),
-            _np(dx),
-            None if dw is None else _np(dw),
+            np_view(grad),
+            np_view(x2),
+            np_copy(weight),
+            np_view(rstd),
+            np_view(dx),
+            np_view(dw),
             num_threads=torch.get_num_threads(),
         )
         return dx, dw
@@ -158,15 +152,15 @@ def rms_norm(
 # --- SwiGLU ------------------------------------------------------------------------------------
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, impl: str | None = None) -> torch.Tensor:
     """SiLU(gate) * up (no autograd)."""
-    if impl == "cpp":
+    if layer_impl(impl, gate) == "cpp":
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
         cpp_rows._module().swiglu_forward(
-            _np(gate.view(-1, gate.shape[-1])),
-            _np(up.view(-1, up.shape[-1])),
-            _np(y.view(-1, y.shape[-1])),
+            np_view(gate.view(-1, gate.shape[-1])),
+            np_view(up.view(-1, up.shape[-1])),
+            np_view(y.view(-1, y.shape[-1])),
             num_threads=torch.get_num_threads(),
         )
         return y
@@ -180,11 +174,11 @@ def _swiglu_backward(grad_product, gate, up, product: bool, impl: str):
         prod = torch.empty_like(gate) if product else None
         rows = (-1, gate.shape[-1])
         cpp_rows._module().swiglu_backward_(
-            _np(grad_product.view(rows)),
-            _np(gate.view(rows)),
-            _np(up.view(rows)),
-            _np(grad_up.view(rows)),
-            None if prod is None else _np(prod.view(rows)),
+            np_view(grad_product.view(rows)),
+            np_view(gate.view(rows)),
+            np_view(up.view(rows)),
+            np_view(grad_up.view(rows)),
+            None if prod is None else np_view(prod.view(rows)),
             num_threads=torch.get_num_threads(),
         )
         return grad_product, grad_up, prod
@@ -240,6 +234,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def position_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k [..., heads, d] normalised per head when `norms` = (q_norm weight, k_norm
+    weight, eps) is given (Qwen3), then rotated by cos, sin [..., d] (one per position)."""
+    if norms is not None:
+        q, k = rms_norm(q, norms[0], norms[2], impl), rms_norm(k, norms[1], norms[2], impl)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # over the heads
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -265,15 +275,13 @@ def decode_attention(
         q_w, k_w, eps = norms if norms is not None else (None, None, 0.0)
         out = torch.empty_like(q)
         cpp_rows._module().decode_attention_(
-            _np(q.contiguous()), _np(k.contiguous()), _np(v.contiguous()),
-            None if q_w is None else _copy(q_w), None if k_w is None else _copy(k_w), eps,
-            _np(cos.contiguous()), _np(sin.contiguous()), _np(keys_t), _np(values),
-            _np(mask.contiguous()), col, scale, _np(out), num_threads=torch.get_num_threads(),
+            np_view(q.contiguous()), np_view(k.contiguous()), np_view(v.contiguous()),
+            np_copy(q_w), np_copy(k_w), eps,
+            np_view(cos.contiguous()), np_view(sin.contiguous()), np_view(keys_t), np_view(values),
+            np_view(mask.contiguous()), col, scale, np_view(out), num_threads=torch.get_num_threads(),
         )  # fmt: skip
         return out
-    if norms is not None:
-        q, k = rms_norm(q, norms[0], norms[2], impl), rms_norm(k, norms[1], norms[2], impl)
-    q, k = rotate(q, cos[:, None], sin[:, None]), rotate(k, cos[:, None], sin[:, None])
+    q, k = position_heads(q, k, norms, cos, sin, impl)
     keys_t[..., col] = k
     values[:, :, col] = v
     out = F.scaled_dot_product_attention(

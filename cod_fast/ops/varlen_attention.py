@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cod_fast.ops import cpp_rows
+from cod_fast.ops.cpp_rows import np_view
 from cod_fast.ops.layers import layer_impl
 
 
@@ -53,10 +54,6 @@ def _lower_right(lq: int, lk: int, device: torch.device) -> torch.Tensor:
     return torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
 
 
-def _np(t: torch.Tensor | None):
-    return None if t is None else t.detach().numpy()
-
-
 class VarlenAttentionFunction(torch.autograd.Function):
     """The C++ kernels; q, k, v contiguous float32, cu_q/cu_k int32, kv_index int64 or None."""
 
@@ -65,8 +62,8 @@ class VarlenAttentionFunction(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[1], q.shape[0])
         cpp_rows._module().varlen_attention_forward(
-            _np(q), _np(k), _np(v), _np(cu_q), _np(cu_k), _np(kv_index), scale, _np(out),
-            _np(lse), num_threads=torch.get_num_threads(),
+            np_view(q), np_view(k), np_view(v), np_view(cu_q), np_view(cu_k), np_view(kv_index), scale, np_view(out),
+            np_view(lse), num_threads=torch.get_num_threads(),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, kv_index)
         ctx.scale = scale
@@ -77,8 +74,8 @@ class VarlenAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k, kv_index = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         cpp_rows._module().varlen_attention_backward(
-            _np(q), _np(k), _np(v), _np(out), _np(grad_out.contiguous()), _np(lse), _np(cu_q),
-            _np(cu_k), _np(kv_index), ctx.scale, _np(dq), _np(dk), _np(dv),
+            np_view(q), np_view(k), np_view(v), np_view(out), np_view(grad_out.contiguous()), np_view(lse), np_view(cu_q),
+            np_view(cu_k), np_view(kv_index), ctx.scale, np_view(dq), np_view(dk), np_view(dv),
             num_threads=torch.get_num_threads(),
         )  # fmt: skip
         return dq, dk, dv, None, None, None, None

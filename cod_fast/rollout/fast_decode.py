@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cod_fast.lean import _lean_mlp_forward, _lean_norm_forward
-from cod_fast.ops.layers import decode_attention, layer_impl, rms_norm, rotate, swiglu
+from cod_fast.ops.layers import decode_attention, position_heads, rms_norm, swiglu
 from cod_fast.rollout.vllm_sampler import head_dim
 
 _LINEAR_NAMES = (
@@ -145,7 +145,7 @@ class FastDecoder:
         cache = DynamicCache(config=self.model.config)
 
         def attend(layer, attn, q, k, v, cos, sin):
-            q, k = self._positioned(attn, q, k, cos, sin)
+            q, k = position_heads(q, k, self._head_norms(attn), cos, sin)
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kv_heads, W, d]
             cache.update(k, v, layer)
             out = self._sdpa(q.transpose(1, 2), k, v, attn_mask[:, None], attn.scaling)
@@ -186,11 +186,8 @@ class FastDecoder:
             raise RuntimeError("FastDecoder: the cache is full; start() with more new_tokens")
 
         def attend(layer, attn, q, k, v, cos, sin):
-            norms = None
-            if self.qk_norm:
-                norms = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon)
             out = decode_attention(
-                q[:, 0], k[:, 0], v[:, 0], norms, cos[:, 0],
+                q[:, 0], k[:, 0], v[:, 0], self._head_norms(attn), cos[:, 0],
                 sin[:, 0], self.keys[layer], self.values[layer], self.mask, col, attn.scaling,
             )  # fmt: skip
             return out[:, None]
@@ -221,12 +218,12 @@ class FastDecoder:
         x = self._norm(self.final_norm, x[:, -1])
         return F.linear(x, self.head.weight, self.head.bias)
 
-    def _positioned(self, attn, q, k, cos, sin):
-        """q, k [B, T, heads, d] normalised per head (Qwen3) and rotated."""
-        if self.qk_norm:
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, T, 1, d]
-        return rotate(q, cos, sin), rotate(k, cos, sin)
+    def _head_norms(self, attn):
+        """(q_norm weight, k_norm weight, eps) of a Qwen3 attention, else None (`supports`
+        checked that the two epsilons agree)."""
+        if not self.qk_norm:
+            return None
+        return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
 
     def _sdpa(self, q, k, v, attn_mask, scale):
         gqa = self.kv_heads != self.heads
@@ -240,5 +237,5 @@ class FastDecoder:
     def _mlp(self, mlp, h):
         gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
         up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        product = swiglu(gate, up, layer_impl(None, gate))
+        product = swiglu(gate, up)
         return F.linear(product, mlp.down_proj.weight, mlp.down_proj.bias)

@@ -37,15 +37,20 @@ COD_INLINE float sigmoid(float g) {
   return g >= 0.0f ? inv : e * inv;
 }
 
-COD_CLONES
-void rms_row_forward(const float* x, const float* w, int64_t H, float eps, float* y, float* rstd) {
+// y = w * (x * r) with r = 1 / sqrt(mean(x^2) + eps); returns r.
+COD_INLINE float rms_row(const float* x, const float* w, int64_t H, float eps, float* y) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
-  *rstd = r;
 #pragma omp simd
   for (int64_t i = 0; i < H; ++i) y[i] = w[i] * (x[i] * r);
+  return r;
+}
+
+COD_CLONES
+void rms_row_forward(const float* x, const float* w, int64_t H, float eps, float* y, float* rstd) {
+  *rstd = rms_row(x, w, H, eps, y);
 }
 
 // dx = r (gw - xhat mean(gw xhat)) with gw = g * w, xhat = x r; dw_acc += g xhat (when given).
@@ -128,16 +133,12 @@ void attend_one(const float* q, const float* KT, const float* V, const uint8_t* 
 COD_CLONES
 void position_head(const float* x, const float* w, float eps, const float* cos, const float* sin,
                    int64_t d, float* y) {
-  float r = 1.0f;
-  if (w != nullptr) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
-    r = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
-  }
   float normed[kMaxHead];
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) normed[i] = w != nullptr ? w[i] * (x[i] * r) : x[i];
+  if (w != nullptr) {
+    rms_row(x, w, d, eps, normed);
+  } else {
+    std::copy(x, x + d, normed);
+  }
   const int64_t half = d / 2;
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
