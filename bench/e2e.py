@@ -314,6 +314,7 @@ def _cod_worker(spec: dict, tmp: str):
     warm = Trainer(warm_cfg)
     env = make_env(warm_cfg.rollout.env, warm_cfg.rollout.env_setting, warm_cfg.rollout.env_size)
     single_turn_step(warm, env, task_prompts(warm_cfg, warm.tokenizer, 2, start=10**6))
+    warm.close()  # a vLLM engine is shut down, not left running beside the timed one
     del warm
 
     def start():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check of cod-fast: the Triton/policy-loss tests, the kernel and train-step benchmarks and a
-# few whole trainer steps on an NVIDIA GPU.
+# GPU check of cod-fast: the Triton/policy-loss tests, the kernel and train-step benchmarks, a
+# few whole trainer steps in mixed precision (float32 masters, bf16 compute) and one on-policy
+# distillation step with a teacher prepared for the GPU, on an NVIDIA GPU.
 #
 #   bash bench/gpu_check.sh            # from the repository root
 #
@@ -9,7 +10,8 @@
 # offline into /tmp/site. Nothing is built: the C++ extension stays absent (impl `cpp` reports
 # itself unavailable). Everything lands in one folder, $OUT or else gpu_check_results/: env.txt,
 # pytest.log, bench_<case>.log, kernels.csv, kernels_<case>.json, logs/ of failed benchmark
-# workers, train_run/ and train_run.log (the trainer steps) and gpu_check.log (this script's
+# workers, train_run/ and train_run.log (the trainer steps), teacher/, opd_run/ and opd_run.log
+# (the distillation step) and gpu_check.log (this script's
 # whole output). Every step runs under `timeout`, so the whole check stays under 9 minutes
 # (GPU_CHECK_SECONDS shortens it); the summary line comes last (then GPU_CHECK_BUNDLE's archive,
 # if set). GPU_CHECK_CASES lists the kernel benchmark's cases as case:seconds. GPU_CHECK_BENCH_ARGS
@@ -116,7 +118,7 @@ elif [ "${#TESTS[@]}" -eq 0 ]; then
     PYTEST="not run (no test files)"
 else
     echo "== pytest ${TESTS[*]}"
-    lim=$(limit 130)
+    lim=$(limit 120)
     timeout --kill-after=5 "$lim" python -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
         --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
@@ -131,7 +133,7 @@ fi
 BENCH=()
 CSV_START=$(wc -l <"$OUT/kernels.csv" 2>/dev/null || echo 0)  # rows before this check's
 if [ "$IMPORT_RC" -eq 0 ]; then
-    for spec in ${GPU_CHECK_CASES:-h100:100 dense:45 cod-packed:45 wide-vocab:45}; do
+    for spec in ${GPU_CHECK_CASES:-h100:90 dense:35 cod-packed:40 wide-vocab:35}; do
         case_name=${spec%%:*}
         lim=$(limit "${spec##*:}")
         echo "== benchmark $case_name (limit $lim s)"
@@ -157,8 +159,10 @@ if [ "$IMPORT_RC" -eq 0 ]; then
 fi
 
 # 3c. Whole trainer steps, sampling included, of a Qwen3-architecture model built from a config
-# (8 layers, H=1024, bf16, torch's varlen attention, the torch sampler: vLLM is not installed on
-# this machine). tokens/s per GPU = training tokens / step wall time / GPUs, from metrics.jsonl.
+# (8 layers, H=1024, bf16 compute on float32 masters: FSDP2's mixed precision on a one-rank
+# mesh; torch's varlen attention; the torch sampler: vLLM is not installed on this machine).
+# Evaluation runs keyed and split over the ranks (one here). tokens/s per GPU = training tokens
+# / step wall time / GPUs, from metrics.jsonl; the checkpoint must hold float32 masters.
 STEPS="trainer not run"
 if [ "$IMPORT_RC" -eq 0 ]; then
     lim=$(limit 80)
@@ -172,15 +176,48 @@ if [ "$IMPORT_RC" -eq 0 ]; then
     rc=$?
     tail -n 30 "$OUT/train_run.log"
     STEPS="trainer rc=$rc $(
-        python - "$OUT/train_run/metrics.jsonl" <<'EOF' 2>/dev/null
+        python - "$OUT/train_run" <<'EOF' 2>/dev/null
 import json
 import statistics
 import sys
 
-rows = [json.loads(line) for line in open(sys.argv[1])][1:]  # the first step warms up
+from cod_fast.checkpoint import latest_checkpoint, read_model_state
+
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")][1:]  # 1st: warm-up
 med = lambda key: statistics.median(r[key] for r in rows)
+ckpt = latest_checkpoint(sys.argv[1])
+masters = sorted({str(t.dtype) for t in read_model_state(ckpt).values()})
 print(f"{med('tokens_per_s_per_device'):.0f} tokens/s/GPU (sample {med('sample_s'):.2f} s, "
-      f"train {med('train_s'):.2f} s per step, {len(rows)} steps)")
+      f"train {med('train_s'):.2f} s per step, {len(rows)} steps; compute "
+      f"{ckpt.extra.get('compute_dtype')}, masters {','.join(masters)})")
+EOF
+    )"
+fi
+
+# 3d. On-policy distillation on the GPU: the trainer steps' model exported as a bf16 teacher,
+# then one opd step of a student with that run's tokenizer; the teacher is loaded for the GPU
+# (its dtype and attention kernel), whether it stays there or waits in host memory.
+OPD="opd not run"
+if [ "$IMPORT_RC" -eq 0 ] && [ -f "$OUT/train_run/checkpoints/latest" ]; then
+    lim=$(limit 60)
+    echo "== distillation step (limit $lim s)"
+    rm -rf "$OUT/teacher" "$OUT/opd_run"
+    timeout --kill-after=5 "$lim" bash -c '
+        python -m cod_fast.cli export "$1/train_run" --out "$1/teacher" &&
+        python -m cod_fast.cli train --preset tiny-cpu --set runtime.device=cuda \
+            --set model.dtype=bfloat16 --set model.tokenizer_path="$1/train_run/tokenizer" \
+            --set algo.loss.policy=opd --set "algo.teachers={frozenlake: $1/teacher}" \
+            --set train.warm_start_steps=0 --set train.steps=1 --set rollout.eval_packs=2 \
+            --set runtime.run_dir="$1/opd_run"' _ "$OUT" >"$OUT/opd_run.log" 2>&1
+    rc=$?
+    tail -n 15 "$OUT/opd_run.log"
+    OPD="opd rc=$rc $(
+        python - "$OUT/opd_run/metrics.jsonl" <<'EOF' 2>/dev/null
+import json
+import sys
+
+last = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+print(f"teacher_gap {last.get('teacher_gap')}, teacher_s {last.get('teacher_s')}")
 EOF
     )"
 fi
@@ -206,7 +243,7 @@ for r in ok:
 print("; ".join(parts))
 EOF
 )
-echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${STEPS} | ${SUMMARY:-no CSV} | out ${OUT}"
+echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${STEPS} | ${OPD} | ${SUMMARY:-no CSV} | out ${OUT}"
 
 # 5. Optionally one archive of everything but the trainer's checkpoints (a device that hands back
 # only a few small files: OUT=/tmp/gc GPU_CHECK_BUNDLE=$OUT_OF_THE_DEVICE/gpu_check.tgz).

@@ -5,13 +5,17 @@ each starts. Three kernels compute the same causal, per-sequence attention, regi
 transformers' `AttentionInterface` so that any Hugging Face decoder (Qwen3, Llama, ...) uses them
 unchanged:
 
-- `cod_flash_attn`: flash-attn's `flash_attn_varlen_func` (CUDA, the flash-attn package);
-- `cod_varlen_attn`: torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA; flash-attention
-  varlen without the flash-attn package);
-- `cod_sdpa` (any device: the CPU path): cod_fast.ops.varlen_attention, a C++ kernel over every
-  sequence of the row for float32 on a CPU, else one `scaled_dot_product_attention` per
-  sequence. Its cost is sum_s L_s^2, where a block-diagonal mask over the whole row would cost
-  T^2 time and memory.
+- `cod_fa_varlen` (`model.attn_impl=flash_attn`): flash-attn's `flash_attn_varlen_func`
+  (CUDA, the flash-attn package; fp16/bf16);
+- `cod_torch_varlen` (`varlen_attn`): torch's own `torch.nn.attention.varlen.varlen_attn` (CUDA;
+  flash-attention varlen without the flash-attn package; fp16/bf16);
+- `cod_per_seq` (`sdpa`; any device and dtype: the CPU path and float32 on CUDA):
+  cod_fast.ops.varlen_attention, a C++ kernel over every sequence of the row for float32 on a
+  CPU, else one `scaled_dot_product_attention` per sequence. Its cost is sum_s L_s^2, where a
+  block-diagonal mask over the whole row would cost T^2 time and memory.
+
+The registered names avoid every pattern transformers gives a meaning of its own (see
+`KERNELS`), so it installs them as they are.
 
 They attend varlen only when the caller passes `cu_seq_lens_q` (see `packed_attention_kwargs`);
 without it (generation with a KV cache and a padding mask) they defer to transformers' SDPA with
@@ -29,28 +33,51 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from cod_fast.config import ConfigError
 from cod_fast.ops.varlen_attention import varlen_attention
 
-KERNELS = {"flash_attn": "cod_flash_attn", "varlen_attn": "cod_varlen_attn", "sdpa": "cod_sdpa"}
+KERNELS = {"flash_attn": "cod_fa_varlen", "varlen_attn": "cod_torch_varlen", "sdpa": "cod_per_seq"}
+"""model.attn_impl -> the name registered with transformers. transformers reads a meaning into
+some names (5.17 to 5.25, PreTrainedModel._check_and_adjust_attn_implementation): one containing
+"flash" is a request for a flash-attention kernel, which it tries to load from the hub and fails
+on; "owner/name" is a hub kernel; "paged|" a paged-cache prefix; "sdpa" or "flex_attention"
+anywhere runs those backends' own checks. These names hold none of them."""
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes the CUDA varlen kernels take: flash-attn's and torch's flash_api.cpp (behind
+varlen_attn) refuse any other ("FlashAttention only support fp16 and bf16 data type")."""
 
 
-def resolve_attn_impl(choice: str, device: torch.device) -> str:
-    """The kernel for ModelConfig.attn_impl on `device` (`auto`: the fastest that runs there)."""
-    if choice != "auto":
-        if choice in ("flash_attn", "varlen_attn") and device.type != "cuda":
-            raise ValueError(
-                f"model.attn_impl={choice!r} needs a CUDA device, got {device.type}; use 'sdpa' "
-                "or 'auto' on the CPU"
+def resolve_attn_impl(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel for ModelConfig.attn_impl on `device` computing in `dtype` (`auto`: the fastest
+    that runs there); a ConfigError on model.attn_impl for one that cannot run there."""
+    has_flash_attn = importlib.util.find_spec("flash_attn") is not None
+    if choice == "auto":
+        if device.type != "cuda" or dtype not in HALF_DTYPES:
+            return "sdpa"  # per-sequence SDPA takes float32, the CUDA varlen kernels do not
+        return "flash_attn" if has_flash_attn else "varlen_attn"
+    if choice in ("flash_attn", "varlen_attn"):
+        if device.type != "cuda":
+            raise ConfigError(
+                "model.attn_impl",
+                f"got {choice!r} on {device.type}; it needs a CUDA device: use 'sdpa' or 'auto' "
+                "on the CPU",
             )
-        if choice == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-            raise ValueError(
-                "model.attn_impl='flash_attn' but flash-attn is not installed; install the "
-                "`gpu` extra, or use 'varlen_attn' (torch's own) or 'auto'"
+        if dtype not in HALF_DTYPES:
+            raise ConfigError(
+                "model.attn_impl",
+                f"got {choice!r} with a {str(dtype).removeprefix('torch.')} model; its CUDA "
+                "kernel takes float16 and bfloat16 only: set model.dtype=bfloat16 (or 'auto'), "
+                "or model.attn_impl=sdpa (or 'auto')",
             )
-        return choice
-    if device.type == "cuda":
-        return "flash_attn" if importlib.util.find_spec("flash_attn") is not None else "varlen_attn"
-    return "sdpa"
+    if choice == "flash_attn" and not has_flash_attn:
+        raise ConfigError(
+            "model.attn_impl",
+            "got 'flash_attn' but flash-attn is not installed; build it with `pip install "
+            "flash-attn --no-build-isolation` (README), or use 'varlen_attn' (torch's own) or "
+            "'auto'",
+        )
+    return choice
 
 
 def packed_attention_kwargs(

@@ -170,9 +170,11 @@ def train(
     _train_run(cfg, resume, Console())
 
 
-def _train_run(cfg: Config, resume: bool, console: Console) -> None:
+def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True) -> None:
     """One training run with progress and its summary; bad input is one red line (exit 2), a
-    signal ends it as a shell reports it (128 + signal)."""
+    signal ends it as a shell reports it (128 + signal). However it ends, the trainer is closed
+    (a vLLM engine shut down), so that a next run can start in this process; the process group
+    is left after the command's `last` run (or a stop), once: the runs before share it."""
     from cod_fast.trainer import Trainer
 
     trainer = None
@@ -197,11 +199,15 @@ def _train_run(cfg: Config, resume: bool, console: Console) -> None:
         )
         stop = trainer.stop_signal if trainer is not None else None
         raise typer.Exit(128 + (stop or signal.SIGINT)) from None
+    finally:
+        if trainer is not None:
+            trainer.close()
     if trainer.ctx.is_main:
         _print_summary(summary, console)
-    from cod_fast.distributed import shutdown
+    if last or summary["signal"] is not None:
+        from cod_fast.distributed import shutdown
 
-    shutdown(trainer.ctx)
+        shutdown(trainer.ctx)
     if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
         raise typer.Exit(128 + summary["signal"])
 
@@ -226,9 +232,11 @@ def distill(
     tiny-cpu-opd): first a teacher run for every environment whose `algo.teachers` folder holds
     no model yet (the teacher preset on that environment alone, with the student's tokenizer;
     exported to that folder), then the student's run. Rerun after a stop: finished teachers are
-    kept, an unfinished teacher run resumes."""
+    kept, an unfinished teacher run resumes. Under torchrun every rank takes part in every run;
+    the main rank alone writes the shared tokenizer and the exports, the others wait for them."""
     from cod_fast.checkpoint import latest_checkpoint
     from cod_fast.distill import teacher_jobs
+    from cod_fast.distributed import barrier, init_distributed
     from cod_fast.envs import make_env
     from cod_fast.export import export_model
     from cod_fast.rollout.driver import DriverSettings
@@ -238,8 +246,13 @@ def distill(
     if not student.algo.teachers:
         _fail("algo.teachers: the student config names no teachers (algo.loss.policy=opd)")
     console = Console()
+    # The runs' process group (under torchrun), made here so that the ranks can wait for the
+    # main rank's files between runs; every run joins it.
+    runtime = student.runtime
+    ctx = init_distributed(runtime.device, runtime.hsdp_replicate, timeout_s=runtime.dist_timeout_s)
     envs = [make_env(e.name, e.setting, e.size) for e in student.rollout.environments]  # type: ignore[arg-type]
-    run_tokenizer(student, envs, DriverSettings.from_config(student), is_main=True)
+    run_tokenizer(student, envs, DriverSettings.from_config(student), is_main=ctx.is_main)
+    barrier(ctx)
     try:
         jobs = teacher_jobs(student, teacher_preset, teacher_overrides or ())
     except ConfigError as e:
@@ -250,8 +263,10 @@ def distill(
         done = latest_checkpoint(Path(job.config.runtime.run_dir))
         total = job.config.train.warm_start_steps + job.config.train.steps
         if done is None or done.step < total:
-            _train_run(job.config, resume=done is not None, console=console)
-        export_model(job.config.runtime.run_dir, job.folder)
+            _train_run(job.config, resume=done is not None, console=console, last=False)
+        if ctx.is_main:
+            export_model(job.config.runtime.run_dir, job.folder)
+        barrier(ctx)
         console.print(f"teacher for {job.env}: exported to {job.folder}")
     _resolve_config(None, None, None, for_training=True, cfg=student)
     _train_run(student, resume, console)
@@ -331,13 +346,25 @@ def export_command(
     run_dir: Annotated[Path, typer.Argument(help="A run directory written by `cod-fast train`.")],
     out: Annotated[Path, typer.Option("--out", help="Folder for the Hugging Face model.")],
     step: Annotated[int | None, typer.Option(help="Checkpoint step (default: the latest).")] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Weights dtype: float32, bfloat16, float16, or auto (the dtype the run "
+            "computed in; a mixed-precision run's float32 masters are rounded to it)."
+        ),
+    ] = "auto",
 ) -> None:
     """Write a run's checkpoint as a Hugging Face model folder (from_pretrained loads it)."""
-    from cod_fast.checkpoint import CheckpointError
-    from cod_fast.export import export_model
+    from typing import get_args
 
+    from cod_fast.checkpoint import CheckpointError
+    from cod_fast.export import ExportDtype, export_model
+
+    choices = get_args(ExportDtype)
+    if dtype not in choices:
+        _fail(f"--dtype: got {dtype!r}; expected one of {', '.join(choices)}")
     try:
-        ckpt = export_model(run_dir, out, step)
+        ckpt = export_model(run_dir, out, step, dtype)  # type: ignore[arg-type]
     except (OSError, ConfigError, CheckpointError) as e:
         Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None

@@ -287,7 +287,8 @@ class RolloutConfig(_Config):
     hint_penalty: float = 0.1
     """Missing hints give the update episode the reward -hint_penalty."""
     top_p: float = 1.0
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold; below 1 only in a run without RL steps (train.steps=0),
+    whose evaluations it then shapes: the trainer's log-probs are over the full softmax."""
     sampler: Literal["auto", "torch", "vllm"] = "auto"
     """Generation backend; `auto` takes the one measured faster on the device
     (cod_fast.rollout.choice; `cod-fast info` says which and why)."""
@@ -433,6 +434,13 @@ class TrainConfig(_Config):
     """Fraction of the demonstrations' update episodes that write another pack's hints instead
     of their own (cod_fast.warmstart.ScriptedDriver): the warm-started model then writes right
     hints only part of the time, and RL has hint quality to raise."""
+    master_dtype: Literal["float32", "model"] = "float32"
+    """The dtype of the weights the optimizer updates, of their gradients and of its state.
+    `float32` with a 16-bit model.dtype is mixed precision: float32 master weights, compute in
+    model.dtype, gradients reduced and accumulated in float32 (FSDP2's MixedPrecisionPolicy,
+    one process included), so updates smaller than half a bf16 ulp are kept. `model`: the
+    parameters, gradients and optimizer state in model.dtype (half the memory; small updates
+    vanish in bf16)."""
     max_skipped_steps: int = 3
     """Consecutive steps with a NaN/inf loss or gradient (skipped, parameters unchanged) after
     which the run stops."""
@@ -478,6 +486,10 @@ class RuntimeConfig(_Config):
     """Also write TensorBoard event files."""
     hsdp_replicate: int = 1
     """Replica groups of hybrid-sharded data parallelism (1 = plain FSDP)."""
+    dist_timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before the run fails (the process
+    group's timeout). Evaluation is split over the ranks, so no rank waits while another
+    evaluates; the longest wait is the main rank writing a checkpoint."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -486,6 +498,7 @@ class RuntimeConfig(_Config):
         self._require(bool(self.run_dir.strip()), "run_dir", "a folder path, e.g. runs/my-run")
         self._at_least(0, "checkpoint_every", "keep_checkpoints", "eval_every")
         self._at_least(1, "log_every", "hsdp_replicate")
+        self._above(0, "dist_timeout_s")
 
 
 @dataclass(kw_only=True)
@@ -507,6 +520,16 @@ class Config(_Config):
                 "algo.loss.max_response_len",
                 f"got {norm} with rollout.max_response_tokens={cap}; expected the same number: "
                 "both are the longest response of the run; set both",
+            )
+        if self.rollout.top_p < 1 and self.train.steps > 0:
+            # Measured on the CPU engine (tests/test_vllm_engine.py): at top_p=0.8 the sampled
+            # tokens' log-probs were 0.05-0.22 nats above the full softmax's.
+            raise ConfigError(
+                "rollout.top_p",
+                f"got {self.rollout.top_p} with train.steps={self.train.steps}; expected 1 for "
+                "RL: the sampler's log-probs are renormalised over the nucleus and the "
+                "trainer's are over the full softmax, so every ratio starts below 1; set "
+                "rollout.top_p=1 (for a nucleus in evaluation: cod-fast eval --top-p)",
             )
         if self.runtime.device == "cpu":
             refuse_cpu_dtype(self.model.dtype, "runtime.device='cpu'")

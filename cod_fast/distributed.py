@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cod_fast.config import ConfigError
@@ -46,7 +47,8 @@ class DistContext:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh | None
-    """The FSDP mesh: ("shard",) or ("replicate", "shard"); None in one process."""
+    """The FSDP mesh: ("shard",) or ("replicate", "shard"); None in one process, except a
+    mixed-precision one (a one-rank mesh: FSDP2 keeps its float32 master weights)."""
 
     @property
     def is_main(self) -> bool:
@@ -54,7 +56,14 @@ class DistContext:
 
     @property
     def distributed(self) -> bool:
+        """Several ranks: the collectives below communicate."""
         return self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """The policy is an FSDP2 module (several ranks, or one rank in mixed precision): its
+        parameters are DTensors, so a sampler cannot share them."""
+        return self.mesh is not None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -82,24 +91,37 @@ def mesh_layout(world_size: int, hsdp_replicate: int) -> tuple[tuple[int, ...], 
     return (hsdp_replicate, world_size // hsdp_replicate), ("replicate", "shard")
 
 
-def init_distributed(device: str = "auto", hsdp_replicate: int = 1) -> DistContext:
+def init_distributed(
+    device: str = "auto",
+    hsdp_replicate: int = 1,
+    *,
+    timeout_s: float | None = None,
+    one_rank_mesh: bool = False,
+) -> DistContext:
     """This process's place in the run: under torchrun join the process group and build the
-    mesh; otherwise one process, no process group."""
+    mesh; otherwise one process, with no process group unless `one_rank_mesh` asks for a mesh
+    of one rank (a process group of one over an in-memory store: no port, no network), which
+    mixed precision shards over. `timeout_s` bounds every collective's wait (torch's default
+    when None)."""
     dev = resolve_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1:
+    if world_size == 1 and not one_rank_mesh:
         return DistContext(rank=0, world_size=1, local_rank=0, device=dev, mesh=None)
     shape, names = mesh_layout(world_size, hsdp_replicate)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = 0, 0
+    if world_size > 1:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if dev.type == "cuda":
         # Before the process group: NCCL binds each rank to the current device.
-        dev = torch.device("cuda", local_rank)
+        dev = torch.device("cuda", local_rank if world_size > 1 else torch.cuda.current_device())
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(
-            "nccl" if dev.type == "cuda" else "gloo",
-            device_id=dev if dev.type == "cuda" else None,
-        )
+        options: dict[str, Any] = {"device_id": dev if dev.type == "cuda" else None}
+        if timeout_s is not None:
+            options["timeout"] = timedelta(seconds=timeout_s)
+        if world_size == 1:
+            options.update(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", **options)
     mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
     return DistContext(
         rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh
@@ -120,20 +142,42 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return lists[0]
 
 
-def shard_policy(policy: Policy, ctx: DistContext, *, reshard_after_forward: bool = True) -> Policy:
-    """FSDP2 over ctx.mesh: one group per decoder layer, the rest in the root (the Policy); the
-    model's own dtype is kept and gradients are summed over ranks. One process: the policy
-    unchanged.
+def shard_policy(
+    policy: Policy,
+    ctx: DistContext,
+    *,
+    reshard_after_forward: bool = True,
+    compute_dtype: torch.dtype | None = None,
+) -> Policy:
+    """FSDP2 over ctx.mesh: one group per decoder layer, the rest in the root (the Policy);
+    gradients are summed over ranks. No mesh: the policy unchanged.
+
+    `compute_dtype` other than the parameters' dtype is mixed precision: the sharded float32
+    parameters stay the master weights the optimizer updates, each forward gathers them cast
+    to `compute_dtype`, and gradients are reduced (and accumulated over micro-batches) in
+    float32. Otherwise the model's own dtype is used throughout.
 
     `reshard_after_forward` applies to the layers. The root keeps torch's default: it stays
     gathered after its forward, since training's backward needs it at once; after a no-grad
     forward it stays gathered until the next backward (the state functions here reshard first).
     """
-    if not ctx.distributed:
+    if not ctx.sharded:
         return policy
+    dtype = next(policy.parameters()).dtype
+    mixed = compute_dtype is not None and compute_dtype != dtype
+    layers = root = MixedPrecisionPolicy()
+    if mixed:
+        layers = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # The root's input is a MicroBatch whose advantages and log-probs must stay float32;
+        # FSDP2 would cast every floating tensor in it (dataclasses included).
+        root = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
     for layer in _decoder_layers(policy.model):
-        fully_shard(layer, mesh=ctx.mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(policy, mesh=ctx.mesh)
+        fully_shard(
+            layer, mesh=ctx.mesh, reshard_after_forward=reshard_after_forward, mp_policy=layers
+        )
+    fully_shard(policy, mesh=ctx.mesh, mp_policy=root)
     for module in policy.modules():
         if isinstance(module, FSDPModule):
             # Each rank's loss already carries the step's global denominator, so the rank
@@ -369,5 +413,5 @@ def barrier(ctx: DistContext) -> None:
 
 def shutdown(ctx: DistContext) -> None:
     """Leave the process group (when this run made one)."""
-    if ctx.distributed and dist.is_initialized():
+    if ctx.sharded and dist.is_initialized():
         dist.destroy_process_group()

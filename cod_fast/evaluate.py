@@ -7,6 +7,11 @@ are stable (`pack_seeds("eval", n)`), so every checkpoint sees the same packs.
 A run evaluates with `run_eval_plan`, `run_eval_settings` and `run_eval_sampling` of its config,
 and so does `cod-fast eval` of a model exported from it: the same packs, settings and sampling
 noise, so the two agree. Evaluation always plays the CoD protocol (see `run_eval_settings`).
+
+Sampling is keyed (cod_fast.rollout.sampler): each response's noise comes from its pack, task
+and turn, so a run under torchrun splits the eval packs over its ranks, each rolls out its
+share, and the summary over all of them is the one a single rank would compute (to the
+rounding of the forward passes, which batch composition can change).
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cod_fast.config import Config
+from cod_fast.distributed import DistContext, gather_objects
 from cod_fast.envs import make_env
-from cod_fast.envs.packs import make_packs, pack_seeds
-from cod_fast.metrics import PositionSummary, plot_positions, summarize_rollouts
+from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
+from cod_fast.metrics import PositionSummary, plot_positions, solve_results, summarize
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.sampler import Sampler
@@ -101,15 +107,31 @@ def eval_defaults(cfg: Config | None) -> dict:
     }
 
 
+def _rolled_out(
+    driver: RolloutDriver, packs: list[PackSpec], ctx: DistContext | None
+) -> PositionSummary:
+    """The summary of `packs` rolled out once each with keyed sampling; with `ctx`, each rank
+    plays every world_size-th pack and every rank gets the summary over all of them, in pack
+    order."""
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
+    mine = driver.run(packs[rank::world], group_size=1, keyed=True)
+    rows = [(r.pack_id, *solve_results(r)) for r in mine]
+    if ctx is not None:
+        rows = sorted(row for part in gather_objects(rows, ctx) for row in part)
+    return summarize([rewards for _, rewards, _ in rows], [s for _, _, s in rows])
+
+
 def evaluate(
     sampler: Sampler,
     chat: ChatFormat,
     plan: EvalPlan,
     settings: DriverSettings,
     out_dir: str | Path | None = None,
+    ctx: DistContext | None = None,
 ) -> dict:
     """Run every (environment, strategy) of the plan; returns the report (written as JSON, with
-    a plot, when `out_dir` is given) and, under "summaries", the PositionSummary objects."""
+    a plot, when `out_dir` is given) and, under "summaries", the PositionSummary objects. Under
+    `ctx` every rank calls this with its own sampler and plays its share of the packs."""
     summaries: dict[str, PositionSummary] = {}
     results: dict[str, dict] = {}
     by_env: dict[str, dict[str, PositionSummary]] = {}
@@ -118,7 +140,7 @@ def evaluate(
         driver = RolloutDriver(env, sampler, chat, settings)
         for strategy in plan.strategies:
             packs = make_packs(pack_seeds("eval", plan.packs), plan.tasks, strategy)  # type: ignore[arg-type]
-            summary = summarize_rollouts(driver.run(packs, group_size=1))
+            summary = _rolled_out(driver, packs, ctx)
             summaries[f"{name}/{strategy}"] = summary
             by_env.setdefault(name, {})[strategy] = summary
             results.setdefault(name, {})[strategy] = summary.to_dict()

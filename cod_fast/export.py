@@ -3,22 +3,26 @@
 The folder (config, safetensors weights, tokenizer) loads with `from_pretrained` anywhere,
 vLLM and `cod-fast eval` included. The model is rebuilt from the run's own config.yaml (the
 built-in model from its sizes and the run's tokenizer), then given the checkpoint's weights, and
-saved with the standard SDPA attention, so nothing of cod-fast is needed to load it. Beside it
+saved with the standard SDPA attention, so nothing of cod-fast is needed to load it. The weights
+are written in the dtype asked for; by default the run's compute dtype (a mixed-precision run
+keeps float32 masters in its checkpoints and computed in bf16: the export is bf16). Beside it
 lies the run's resolved config (RUN_CONFIG): `cod-fast eval --model DIR` reads it and evaluates
 with the run's own packs, settings and sampling noise.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from cod_fast.checkpoint import Checkpoint, latest_checkpoint, read_model_state
+from cod_fast.checkpoint import META, Checkpoint, latest_checkpoint, read_model_state
 from cod_fast.config import Config
 from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
-from cod_fast.model import BUILTIN_TINY, load_policy
+from cod_fast.model import BUILTIN_TINY, load_policy, resolve_dtype
 from cod_fast.policy import Policy
 from cod_fast.tokenizer import load_saved_tokenizer
 
@@ -42,14 +46,29 @@ def _checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
     if step is None or step == latest.step:
         return latest
     path = run_dir / "checkpoints" / f"step-{step:07d}"
-    if not path.exists():
+    if not (path / META).exists():
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
         raise FileNotFoundError(f"{run_dir} has no checkpoint of step {step}; it keeps {kept}")
-    return Checkpoint(path=path, step=step, extra={})
+    return Checkpoint(path=path, step=step, extra=json.loads((path / META).read_text())["extra"])
 
 
-def export_model(run_dir: str | Path, out: str | Path, step: int | None = None) -> Checkpoint:
-    """Write checkpoint `step` (default: the latest) of `run_dir` to `out`; returns it."""
+ExportDtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def export_dtype(ckpt: Checkpoint, cfg: Config, dtype: ExportDtype) -> torch.dtype:
+    """The dtype to write: as asked, or (`auto`) the compute dtype the checkpoint was trained
+    in, else (a checkpoint that does not record it) the run's model.dtype on the CPU."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    recorded = ckpt.extra.get("compute_dtype")
+    return getattr(torch, recorded) if recorded else resolve_dtype(cfg.model, torch.device("cpu"))
+
+
+def export_model(
+    run_dir: str | Path, out: str | Path, step: int | None = None, dtype: ExportDtype = "auto"
+) -> Checkpoint:
+    """Write checkpoint `step` (default: the latest) of `run_dir` to `out` in `dtype` (see
+    `export_dtype`); returns it."""
     run_dir, out = Path(run_dir), Path(out)
     config = run_dir / "config.yaml"
     if not config.exists():
@@ -59,7 +78,9 @@ def export_model(run_dir: str | Path, out: str | Path, step: int | None = None) 
     tokenizer = None
     if cfg.model.name_or_path == BUILTIN_TINY and (run_dir / "tokenizer").exists():
         tokenizer = load_saved_tokenizer(run_dir / "tokenizer")
-    model, tokenizer = load_policy(cfg.model, "cpu", cfg.train.seed, tokenizer)
+    model, tokenizer = load_policy(
+        cfg.model, "cpu", cfg.train.seed, tokenizer, dtype=export_dtype(ckpt, cfg, dtype)
+    )
     one_process = DistContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None
     )

@@ -75,16 +75,16 @@ def summarize(
     )
 
 
+def solve_results(rollout: Rollout) -> tuple[list[float], list[bool | None]]:
+    """(rewards, successes) of a rollout's solve episodes, by position."""
+    solves = sorted((e for e in rollout.episodes if e.kind == "solve"), key=lambda e: e.task_index)
+    return [e.reward for e in solves], [e.info.get("success") for e in solves]
+
+
 def summarize_rollouts(rollouts: Sequence[Rollout]) -> PositionSummary:
     """The same summary over driver rollouts (solve episodes, by position)."""
-    rewards, successes = [], []
-    for rollout in rollouts:
-        solves = sorted(
-            (e for e in rollout.episodes if e.kind == "solve"), key=lambda e: e.task_index
-        )
-        rewards.append([e.reward for e in solves])
-        successes.append([e.info.get("success") for e in solves])
-    return summarize(rewards, successes)
+    results = [solve_results(rollout) for rollout in rollouts]
+    return summarize([r for r, _ in results], [s for _, s in results])
 
 
 def plot_positions(

@@ -4,9 +4,9 @@ Training never computes the model's logits: `packed_hidden_states` runs the deco
 fused loss takes the hidden states of the trainable positions and the LM head weight (SPEC.md
 section 4). Packed sequences must not attend to each other (SPEC.md section 5): `load_policy`
 installs one of the varlen kernels of cod_fast.attention (flash-attn, torch's varlen_attn, or
-per-sequence SDPA on the CPU), which read cu_seqlens. A model with any other attention
-implementation gets a block-diagonal causal mask instead (O(T^2) memory: the reference the tests
-compare the kernels with).
+per-sequence SDPA on the CPU and for float32), which read cu_seqlens. A model with any other
+attention implementation gets a block-diagonal causal mask instead (O(T^2) memory: the reference
+the tests compare the kernels with).
 """
 
 from __future__ import annotations
@@ -24,10 +24,17 @@ BUILTIN_TINY = "builtin:tiny-qwen3"
 
 
 def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype of `cfg` on `device`: what every forward runs in."""
     if cfg.dtype == "auto":
         # bf16 matmuls are ~80x slower than fp32 on the CPUs this runs on; GPUs want bf16.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, cfg.dtype)
+
+
+def master_dtype(cfg: ModelConfig, master: str, device: torch.device) -> torch.dtype:
+    """The dtype a trainer keeps its weights in (`train.master_dtype`): float32 for `float32`,
+    else the compute dtype. The two differ exactly when the run is in mixed precision."""
+    return torch.float32 if master == "float32" else resolve_dtype(cfg, device)
 
 
 def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0, tokenizer=None):
@@ -54,12 +61,22 @@ def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0, tokenizer=None):
 
 
 def load_policy(
-    cfg: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, tokenizer=None
+    cfg: ModelConfig,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    tokenizer=None,
+    *,
+    dtype: torch.dtype | None = None,
+    place: torch.device | str | None = None,
 ):
     """(model, tokenizer): the built-in tiny model (for `tokenizer`, default the character
-    tokenizer), or any causal LM folder / hub id with its own tokenizer."""
+    tokenizer), or any causal LM folder / hub id with its own tokenizer. Its parameters are in
+    `dtype` (default: the compute dtype; a trainer in mixed precision asks for its float32
+    master dtype); the attention kernel is chosen for the compute dtype. Dtype and kernel are
+    those of `device`, where the model will compute; its weights are put on `place` (default:
+    `device`), such as host memory for a model moved to the device only when it runs."""
     device = torch.device(device)
-    dtype = resolve_dtype(cfg, device)
+    dtype = dtype or resolve_dtype(cfg, device)
     if cfg.name_or_path == BUILTIN_TINY:
         model, tokenizer = build_tiny_qwen3(cfg, seed, tokenizer)
         model = model.to(dtype)
@@ -71,13 +88,14 @@ def load_policy(
             cfg.name_or_path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
         )
     prepare_model(model, cfg, device)
-    return model.to(device), tokenizer
+    return model.to(device if place is None else place), tokenizer
 
 
 def prepare_model(model, cfg: ModelConfig, device: torch.device) -> None:
     """What training on `device` needs from a loaded causal LM, per `cfg`: cod-fast's packed
     attention kernel, the memory-lean modules, gradient checkpointing."""
-    model.set_attn_implementation(KERNELS[resolve_attn_impl(cfg.attn_impl, device)])
+    kernel = resolve_attn_impl(cfg.attn_impl, device, resolve_dtype(cfg, device))
+    model.set_attn_implementation(KERNELS[kernel])
     if cfg.lean_activations:
         make_lean(model)
     if cfg.gradient_checkpointing:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cod_fast.attention import resolve_attn_impl
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
 from cod_fast.distributed import mesh_layout, resolve_device
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.init_from import check_source
-from cod_fast.model import BUILTIN_TINY
+from cod_fast.model import BUILTIN_TINY, resolve_dtype
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings
 from cod_fast.rollout.hints import context_line
@@ -52,6 +53,7 @@ def preflight(cfg: Config) -> None:
     if cfg.train.init_from is not None and (problem := check_source(cfg.train.init_from)):
         raise ConfigError("train.init_from", problem)
     _check_device_dtype(cfg)
+    _check_attention(cfg)
     # Only the main process writes the tokenizer (run_tokenizer); the others would train their
     # own copy here for nothing, and the main process's refusal ends the run for all of them.
     if world_size == 1 or _environment_int("RANK", 0) == 0:
@@ -116,6 +118,14 @@ def _check_device_dtype(cfg: Config) -> None:
     resolved = resolve_device(device)  # a ConfigError when cuda is asked for and there is none
     if resolved.type == "cpu" and device == "auto":  # device=cpu is refused by the config itself
         refuse_cpu_dtype(cfg.model.dtype, "runtime.device='auto', the CPU here (no CUDA device)")
+
+
+def _check_attention(cfg: Config) -> None:
+    """model.attn_impl against the device and compute dtype the run lands on (a CUDA varlen
+    kernel with a float32 model or on the CPU, flash-attn where it is not installed), which the
+    Trainer would otherwise meet only when it loads the model."""
+    device = resolve_device(cfg.runtime.device)
+    resolve_attn_impl(cfg.model.attn_impl, device, resolve_dtype(cfg.model, device))
 
 
 def _check_token_budget(cfg: Config) -> None:

@@ -64,10 +64,11 @@ class Teachers:
     ):
         self.device = device
         self.models: dict[str, Policy] = {}
-        host = torch.device("cpu")
         for env, path in paths.items():
             cfg = dataclasses.replace(model, name_or_path=path, gradient_checkpointing=False)
-            teacher, tokenizer = load_policy(cfg, host)
+            # Loaded into host memory, but in the dtype and with the attention kernel of the
+            # device it computes on, whether it then stays there or moves there in turn.
+            teacher, tokenizer = load_policy(cfg, device, place="cpu")
             check_tokenizer(student_tokenizer, tokenizer, f"algo.teachers.{env}")
             self.models[env] = Policy(teacher, impl).eval().requires_grad_(False)
         nbytes = sum(

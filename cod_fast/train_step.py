@@ -12,6 +12,7 @@ changes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -40,10 +41,24 @@ class StepResult:
     """Loss metrics: token-weighted means, and the min / max of `*_min` / `*_max`."""
 
 
-def runnable(mb: MicroBatch) -> MicroBatch:
+def runnable(mb: MicroBatch, config: LossConfig | None = None) -> MicroBatch:
     """`mb`, or for an empty bin a one-token micro-batch with no trainable position: under FSDP2
-    every rank must run a forward for every micro-batch, or the collectives would not match."""
-    return mb if mb.num_tokens else build_microbatch([Sequence(tokens=[0], segments=[])])
+    every rank must run a forward for every micro-batch, or the collectives would not match.
+    The placeholder carries the (empty) log-probs that `config`'s loss requires, the reference's
+    for a KL term and the teachers' for opd, as the other ranks' micro-batches do: so its loss
+    runs and reports the same metrics."""
+    if mb.num_tokens:
+        return mb
+    placeholder = build_microbatch([Sequence(tokens=[0], segments=[])])
+    if config is None:
+        return placeholder
+    empty = torch.zeros(0, dtype=torch.float32)
+    kl = config.kl is not None and config.beta > 0
+    return dataclasses.replace(
+        placeholder,
+        ref_logp=empty if kl else None,
+        teacher_logp=empty if config.policy == "opd" else None,
+    )
 
 
 def _accumulate(sums: dict[str, torch.Tensor], metrics: dict, n: int) -> None:
@@ -102,7 +117,7 @@ def train_step(
     tokens = 0
     sums: dict[str, torch.Tensor] = {}
     for mb in microbatches:
-        mb = runnable(mb).to(device)
+        mb = runnable(mb, config).to(device)
         out = policy(mb, config=config, denominator=denominator)
         out.loss.backward()
         total += out.loss.detach().double()

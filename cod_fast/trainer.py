@@ -48,7 +48,6 @@ from cod_fast.config_io import dump_yaml
 from cod_fast.distributed import (
     DistContext,
     all_reduce_max,
-    barrier,
     full_parameters,
     gather_objects,
     init_distributed,
@@ -56,6 +55,7 @@ from cod_fast.distributed import (
     load_optimizer_state,
     model_state,
     optimizer_state,
+    resolve_device,
     shard_policy,
 )
 from cod_fast.envs import make_env
@@ -63,7 +63,7 @@ from cod_fast.envs.packs import PackSpec, draw_env, make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
 from cod_fast.init_from import initial_weights
 from cod_fast.metrics import summarize_rollouts
-from cod_fast.model import load_policy
+from cod_fast.model import load_policy, master_dtype, resolve_dtype
 from cod_fast.ops import aggregation_denominator
 from cod_fast.ops.loss_terms import SAMPLER_GAP
 from cod_fast.packing import (
@@ -152,7 +152,16 @@ class Trainer:
 
     def __init__(self, cfg: Config, ctx: DistContext | None = None):
         self.cfg = cfg
-        self.ctx = ctx or init_distributed(cfg.runtime.device, cfg.runtime.hsdp_replicate)
+        device = resolve_device(cfg.runtime.device)
+        self.compute_dtype = resolve_dtype(cfg.model, device)
+        self.master_dtype = master_dtype(cfg.model, cfg.train.master_dtype, device)
+        self.ctx = ctx or init_distributed(
+            cfg.runtime.device,
+            cfg.runtime.hsdp_replicate,
+            timeout_s=cfg.runtime.dist_timeout_s,
+            # Mixed precision shards even one process: FSDP2 keeps the float32 masters.
+            one_rank_mesh=self.master_dtype != self.compute_dtype,
+        )
         self.device = self.ctx.device
         self.run_dir = Path(cfg.runtime.run_dir)
         self.log = RunLog(
@@ -165,12 +174,14 @@ class Trainer:
         self.total_steps = self.warm_steps + cfg.train.steps
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = run_tokenizer(cfg, self.envs, self.settings, self.ctx.is_main)
-        model, self.tokenizer = self._load_model()
+        model, self.tokenizer = self._load_model(self.master_dtype)
         self.chat = ChatFormat(self.tokenizer)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
         self.samplers = build_samplers(cfg, model, self.tokenizer, self.ctx, run_eval_sampling(cfg))
         self.sampler = self.samplers.train
-        self.policy = shard_policy(Policy(model, self.impl), self.ctx)
+        self.policy = shard_policy(
+            Policy(model, self.impl), self.ctx, compute_dtype=self.compute_dtype
+        )
         self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
         self.teachers = (
             Teachers(cfg.algo.teachers, cfg.model, self.device, self.tokenizer, self.impl)
@@ -185,15 +196,17 @@ class Trainer:
 
     # --- setup ---------------------------------------------------------------------------------
 
-    def _load_model(self):
-        return load_policy(self.cfg.model, self.device, self.cfg.train.seed, self.tokenizer)
+    def _load_model(self, dtype: torch.dtype):
+        return load_policy(
+            self.cfg.model, self.device, self.cfg.train.seed, self.tokenizer, dtype=dtype
+        )
 
     def _optimizer(self, warm: bool) -> torch.optim.Optimizer:
         train = self.cfg.train
-        # One process: torch's fused AdamW (one kernel per parameter; on the CPU a third of the
+        # Unsharded: torch's fused AdamW (one kernel per parameter; on the CPU a third of the
         # per-parameter loop's time for the tiny model). Under FSDP2 the default, which takes
         # DTensor parameters everywhere.
-        fused = self.ctx.world_size == 1 and self.device.type in ("cpu", "cuda")
+        fused = not self.ctx.sharded and self.device.type in ("cpu", "cuda")
         return torch.optim.AdamW(
             self.policy.parameters(),
             lr=train.warm_start_lr if warm else train.lr,
@@ -446,31 +459,30 @@ class Trainer:
             return
         if save and self.ctx.is_main:
             save_file(state, self.run_dir / REFERENCE)
-        model, _ = self._load_model()
-        self.reference = shard_policy(Policy(model, self.impl), self.ctx)
+        model, _ = self._load_model(self.compute_dtype)  # frozen: no master weights
+        reference = Policy(model, self.impl)
+        self.reference = shard_policy(reference, self.ctx) if self.ctx.distributed else reference
         load_model_state(self.reference, state, self.ctx)
         self.reference.eval().requires_grad_(False)
 
     def _evaluate(self, label: str) -> None:
-        """Held-out eval packs of each environment on the main rank, each from the same sampling
-        noise (a mixed run's evaluation of an environment is what a run on that environment
-        alone with the same seed would see): the CoD protocol, and for a task-by-task run also
-        its own mode (null hints at every task), logged as `LABEL (own mode)`."""
+        """Held-out eval packs of each environment, split over the ranks (no rank idles in a
+        collective while another evaluates), each response's sampling noise keyed by what it
+        answers, so every evaluation sees the same noise and a mixed run's evaluation of an
+        environment is what a run on that environment alone with the same seed would see: the
+        CoD protocol, and for a task-by-task run also its own mode (null hints at every task),
+        logged as `LABEL (own mode)`."""
         cfg = self.cfg
         if cfg.rollout.eval_packs == 0:
             return
-        if self.ctx.is_main:
-            modes = {label: run_eval_settings(cfg)}
-            if self.settings.mode != "cod":
-                modes[f"{label} (own mode)"] = self.settings
-            for name, settings in modes.items():
-                for plan in run_eval_plans(cfg):
-                    stream = self.samplers.eval.state_dict()
-                    report = evaluate(self.samplers.eval, self.chat, plan, settings)
-                    self.samplers.eval.load_state_dict(stream)
-                    (env,) = plan.envs
-                    self.log.evaluation(name, self.step, report["summaries"][env]["cod"], env=env)
-        barrier(self.ctx)
+        modes = {label: run_eval_settings(cfg)}
+        if self.settings.mode != "cod":
+            modes[f"{label} (own mode)"] = self.settings
+        for name, settings in modes.items():
+            for plan in run_eval_plans(cfg):
+                report = evaluate(self.samplers.eval, self.chat, plan, settings, ctx=self.ctx)
+                (env,) = plan.envs
+                self.log.evaluation(name, self.step, report["summaries"][env]["cod"], env=env)
 
     def _checkpoint(self) -> None:
         rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
@@ -486,7 +498,12 @@ class Trainer:
                     weights,
                     optim,
                     rank_states=ranks,
-                    extra={"warm_start_steps": self.warm_steps, "world_size": self.ctx.world_size},
+                    extra={
+                        "warm_start_steps": self.warm_steps,
+                        "world_size": self.ctx.world_size,
+                        "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+                        "master_dtype": str(self.master_dtype).removeprefix("torch."),
+                    },
                     keep=self.cfg.runtime.keep_checkpoints,
                 )
             except CheckpointError as exc:
@@ -540,3 +557,10 @@ class Trainer:
             set_rng_state(ranks[self.ctx.rank]["rng"])
             self.sampler.load_state_dict(ranks[self.ctx.rank]["sampler"])
         self.log.truncate(self.step)
+
+    def close(self) -> None:
+        """Free the samplers' engine (vLLM: its memory and its groups), so that another run can
+        start in this process; the process group stays. A torch sampler has nothing to free."""
+        for sampler in (self.samplers.train, self.samplers.eval):
+            if hasattr(sampler, "close"):
+                sampler.close()

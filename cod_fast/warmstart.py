@@ -65,8 +65,8 @@ class ScriptedDriver(RolloutDriver):
         self.hint_noise = hint_noise
         self.written: dict[int, str] = {}  # pack id -> the latest hints its agent wrote
 
-    def _sample(self, live: list[RunState]) -> list[Sample]:
-        return [
+    def _sample(self, live: list[RunState], keyed: bool) -> list[Sample]:
+        return [  # scripted: no sampling noise to key
             text_sample(self.chat, self._answer(run), self.settings.max_response_tokens)
             for run in live
         ]

@@ -44,3 +44,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 def pytest_runtest_setup(item) -> None:
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A mixed-precision Trainer in the test process makes a one-rank process group; no test
+    may leave one to the next."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

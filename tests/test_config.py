@@ -354,6 +354,20 @@ def test_response_caps_of_rollout_and_loss_must_agree():
     assert Config().algo.loss.max_response_len == Config().rollout.max_response_tokens
 
 
+def test_top_p_below_one_is_refused_for_rl_naming_the_cause_and_the_fix():
+    """rollout.top_p < 1 with RL steps is refused: the sampler's log-probs are over the nucleus,
+    the trainer's over the full softmax (tests/test_vllm_engine.py measures the gap), so the
+    message names the field, that cause and the fix (top_p=1, `cod-fast eval --top-p`). A
+    warm-start-only run (train.steps=0) keeps its top_p, and every preset passes."""
+    message = _error(["rollout.top_p=0.9", "train.steps=5"])
+    for words in ("rollout.top_p", "0.9", "train.steps=5", "nucleus", "full softmax"):
+        assert words in message, f"{words!r} not in {message!r}"
+    assert "rollout.top_p=1" in message and "cod-fast eval --top-p" in message
+    warm = load_config(overrides=["rollout.top_p=0.9", "train.steps=0"])
+    assert warm.rollout.top_p == 0.9
+    assert all(load_config(name).rollout.top_p == 1 for name in PRESETS)
+
+
 def _float_fields() -> list[tuple[type, str]]:
     sections = (LossConfig, ModelConfig, RolloutConfig, AlgoConfig, TrainConfig, RuntimeConfig)
     return [

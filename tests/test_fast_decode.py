@@ -8,6 +8,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -126,6 +127,42 @@ def test_prefill_and_steps_give_the_forwards_logits_in_float64(tmp_path, arch):
             want = model(full).logits[0, len(prompt) - 1 :]
             got = torch.stack([o[r] for o in outs])
             torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_decode_steps_hand_sdpa_the_cache_itself(tmp_path, monkeypatch, dtype):
+    """The torch decode step (CUDA, 16-bit and float64; float32 on a CPU under
+    COD_FAST_IMPL=torch) hands SDPA the KV cache's own keys and values, views with a contiguous
+    last dimension as SDPA's fused backends need, and the key-value heads unrepeated with
+    enable_gqa: no step copies the cache, transposed or repeated per query head."""
+    monkeypatch.setenv("COD_FAST_IMPL", "torch")
+    model = saved_model(tmp_path, "qwen3", dtype=dtype)
+    decoder = FastDecoder(model)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(4, VOCAB, (3, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((k, v, kwargs.get("enable_gqa")))
+        return sdpa(q, k, v, **kwargs)
+
+    with torch.inference_mode():
+        cache, _ = decoder.prefill(ids, mask, positions)
+        decoder.start(cache, mask, 4, torch.arange(3))
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+        for t in range(2):
+            decoder.step(ids[:, t : t + 1], positions[:, -1:] + 1 + t)
+    layers = len(decoder.layers)
+    assert len(seen) == 2 * layers
+    for i, (k, v, gqa) in enumerate(seen):
+        assert k.stride(-1) == 1 and v.stride(-1) == 1, (k.stride(), v.stride())
+        assert k.shape[1] == v.shape[1] == decoder.kv_heads < decoder.heads and gqa
+        for got, cached in ((k, decoder.keys[i % layers]), (v, decoder.values[i % layers])):
+            assert got.untyped_storage().data_ptr() == cached.untyped_storage().data_ptr()
 
 
 def test_float32_fast_path_matches_float64(tmp_path):

@@ -16,6 +16,7 @@ from cod_fast.ops.layers import (
     RMSNormFunction,
     SwiGLUDownFunction,
     decode_attention,
+    keys_transposed,
     layer_impl,
     rms_norm,
     swiglu_down,
@@ -176,17 +177,20 @@ def test_decode_attention_matches_float64(impl, normed, rows, heads, kv_heads, w
     exact, exact_k = exact_decode(q, k, v, norms, cos, sin, keys, values, mask, col, scale)
 
     def run(impl):
-        keys_t, vals = keys.transpose(-1, -2).contiguous(), values.clone()
-        out = decode_attention(q, k, v, norms, cos, sin, keys_t, vals, mask, col, scale, impl)
-        return out, keys_t, vals
+        """(out, the cache's keys seen as [B, Hkv, W, d], its values) in impl's key layout."""
+        transposed = keys_transposed(impl, q)
+        cache = keys.transpose(-1, -2).contiguous() if transposed else keys.clone()
+        vals = values.clone()
+        out = decode_attention(q, k, v, norms, cos, sin, cache, vals, mask, col, scale, impl)
+        return out, cache.transpose(-1, -2) if transposed else cache, vals
 
     eager, _, _ = run("torch")
-    got, keys_t, vals = run(impl)
+    got, cached, vals = run(impl)
     assert got.shape == q.shape
     within_budget("out", got, eager, exact, slack=16)
-    torch.testing.assert_close(keys_t[..., col].double(), exact_k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached[:, :, col].double(), exact_k, rtol=0, atol=1e-5)
     assert torch.equal(vals[:, :, col], v)
-    assert keys_t[..., col + 1 :].isnan().all() and vals[:, :, col + 1 :].isnan().all()
+    assert cached[:, :, col + 1 :].isnan().all() and vals[:, :, col + 1 :].isnan().all()
 
 
 @needs_cpp

@@ -146,7 +146,7 @@ def _per_sequence_hidden(model, sequences, share):
     return list(hidden.split([len(s) for s in sequences]))
 
 
-@pytest.mark.parametrize("attn", [KERNELS["sdpa"], "sdpa"], ids=["cod_sdpa", "explicit-mask"])
+@pytest.mark.parametrize("attn", [KERNELS["sdpa"], "sdpa"], ids=["cod_per_seq", "explicit-mask"])
 def test_tree_hidden_states_equal_the_flat_layouts(attn):
     model = _model(seed=1)
     model.set_attn_implementation(attn)

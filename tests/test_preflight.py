@@ -125,6 +125,20 @@ def test_train_refuses_cuda_where_there_is_none(built):
     _refused(built, "runtime.device", "--set", "runtime.device=cuda")
 
 
+@pytest.mark.parametrize("attn_impl", ["flash_attn", "varlen_attn"])
+def test_train_refuses_a_cuda_varlen_kernel_with_a_float32_model(built, monkeypatch, attn_impl):
+    """flash-attn's and torch's varlen kernels take float16/bfloat16 only: an explicit one with
+    model.dtype=float32 on CUDA is refused before the Trainer, naming both ways out; `auto`
+    passes (it picks the per-sequence kernel, which takes float32), as does bfloat16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    sets = ["runtime.device=cuda", "model.dtype=float32", f"model.attn_impl={attn_impl}"]
+    message = _refused(built, "model.attn_impl", *(x for s in sets for x in ("--set", s)))
+    assert "model.dtype=bfloat16" in message and "model.attn_impl=sdpa" in message
+    preflight(load_config(overrides=[CHAR, *sets[:2], "model.attn_impl=auto"]))
+    varlen = [sets[0], "model.dtype=bfloat16", "model.attn_impl=varlen_attn"]
+    preflight(load_config(overrides=[CHAR, *varlen]))
+
+
 @pytest.mark.parametrize(("world_size", "replicate"), [(None, 2), ("4", 3), ("6", 4)])
 def test_train_refuses_hsdp_replicate_that_does_not_divide_the_world_size(
     built, monkeypatch, world_size, replicate

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import cod_fast.teachers as teachers_module
+from cod_fast.attention import KERNELS, resolve_attn_impl
 from cod_fast.config import ConfigError, LossConfig, ModelConfig
 from cod_fast.packing import Segment, Sequence
 from cod_fast.teachers import Teachers, fits_on_device
@@ -127,3 +128,20 @@ def test_teachers_stay_on_a_gpu_only_when_they_fit(monkeypatch):
     share = teachers_module.DEVICE_SHARE
     assert fits_on_device(int(1000 * share), torch.device("cuda"))
     assert not fits_on_device(int(1000 * share) + 1, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("attn_impl", ["auto", "varlen_attn"])
+def test_teachers_waiting_in_host_memory_are_prepared_for_the_gpu(folders, monkeypatch, attn_impl):
+    """Teachers of a CUDA run that do not fit next to the student wait in host memory, but in
+    the GPU's dtype (bfloat16 under model.dtype=auto) and with its attention kernel, the ones
+    they compute with once moved there; an explicit CUDA kernel is not refused for the host."""
+    monkeypatch.setattr(teachers_module, "fits_on_device", lambda nbytes, device: False)
+    cuda = torch.device("cuda")
+    model = ModelConfig(attn_impl=attn_impl)
+    paths = {k: str(v) for k, v in folders.items()}
+    teachers = Teachers(paths, model, cuda, char_tokenizer(CHATML))
+    kernel = KERNELS[resolve_attn_impl(attn_impl, cuda, torch.bfloat16)]
+    assert not teachers.resident
+    for teacher in teachers.models.values():
+        assert {(p.dtype, p.device.type) for p in teacher.parameters()} == {(torch.bfloat16, "cpu")}
+        assert teacher.model.config._attn_implementation == kernel

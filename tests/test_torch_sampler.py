@@ -1,6 +1,6 @@
 """The torch sampler on a tiny random Qwen3 saved and loaded through from_pretrained: its
 log-probs against float64 and the trainer's own path, reproducibility, stop tokens and caps,
-top-p, bucketing and compaction, and the weight push."""
+top-p, bucketing and compaction, the weight push, and keyed draws."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
+from cod_fast.envs import make_env
+from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.metrics import solve_results
 from cod_fast.model import lm_head_weight, packed_hidden_states
 from cod_fast.ops import linear_logprobs
 from cod_fast.packing import Segment, Sequence, build_microbatch
 from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.torch_sampler import (
     BUCKET_RATIO,
     TorchSampler,
@@ -229,7 +233,10 @@ def test_draw_follows_the_distribution_and_never_picks_an_excluded_token():
     rows, every frequency within 5 standard errors; -inf tokens (p = 0) never come up."""
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0], [0.0, 0.0, 0.9, 0.1, 0.0]])
     logp = probs.log().repeat_interleave(20000, dim=0)
-    tokens = draw(logp, torch.Generator().manual_seed(0))[:, 0].view(2, -1)
+    uniforms = torch.rand(
+        logp.shape[0], 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64
+    )
+    tokens = draw(logp, uniforms)[:, 0].view(2, -1)
     for row in range(2):
         freq = torch.bincount(tokens[row], minlength=5).double() / tokens.shape[1]
         se = (probs[row].double() * (1 - probs[row].double()) / tokens.shape[1]).sqrt()
@@ -404,3 +411,47 @@ def test_cuda_model_gets_a_cuda_generator(model, tokenizer, prompts):
         [forward_logprobs(model, p, s.token_ids, T) for p, s in zip(prompts, samples, strict=True)]
     )
     assert_within_budget(cat_logprobs(samples), want, eager, slack=1e-5)
+
+
+def test_torch_sampler_keyed_draws_ignore_the_rest_of_the_call(model, tokenizer):
+    """With keys, each response is the same whether its prompt is sampled alone, in a larger
+    batch (other lengths, other buckets), or after other calls; the sampler's generator is not
+    advanced; other keys give other responses."""
+    chat = ChatFormat(tokenizer)
+    prompts = [chat.first_prompt("sys", u) for u in ["hi", "hello there", "x" * 40, "y" * 9]]
+    keys = [11, 22, 33, 44]
+    sampler = TorchSampler(model, tokenizer, temperature=1.0, seed=5)
+    state = sampler.generator.get_state()
+    full = sampler.generate(prompts, [16] * 4, keys=keys)
+    assert torch.equal(sampler.generator.get_state(), state)
+    sampler.generate(prompts, [16] * 4)  # advances the stream; keyed draws must not care
+    for i in (2, 0):
+        alone = sampler.generate([prompts[i]], [16], keys=[keys[i]])[0]
+        assert alone.token_ids == full[i].token_ids
+        assert alone.logprobs == pytest.approx(full[i].logprobs, abs=1e-5)
+    others = sampler.generate(prompts, [16] * 4, keys=[k + 1 for k in keys])
+    assert [s.token_ids for s in others] != [s.token_ids for s in full]
+
+
+def test_keyed_rollouts_of_a_split_equal_the_whole(model, tokenizer):
+    """Packs rolled out with keyed sampling in two halves (as two ranks do) give every pack the
+    rewards, responses and hints it gets when all packs are rolled out together; without keys
+    the halves differ from the whole (which is why evaluation keys its draws)."""
+    chat = ChatFormat(tokenizer)
+    env = make_env("frozenlake", "train", "tiny")
+    settings = DriverSettings(max_response_tokens=12, prompt_style="compact")
+    packs = make_packs(pack_seeds("eval", 5), 3)
+
+    def played(subset, keyed):
+        sampler = TorchSampler(model, tokenizer, temperature=1.0, seed=1)
+        driver = RolloutDriver(env, sampler, chat, settings)
+        return {
+            r.pack_id: (solve_results(r), [t.response_ids for e in r.episodes for t in e.turns])
+            for r in driver.run(subset, group_size=1, keyed=keyed)
+        }
+
+    whole = played(packs, keyed=True)
+    halves = {**played(packs[0::2], keyed=True), **played(packs[1::2], keyed=True)}
+    assert halves == whole
+    unkeyed = {**played(packs[0::2], keyed=False), **played(packs[1::2], keyed=False)}
+    assert unkeyed != played(packs, keyed=False)

@@ -26,9 +26,9 @@ from cod_fast.distributed import (
 )
 from cod_fast.model import load_policy
 from cod_fast.ops import aggregation_denominator
-from cod_fast.packing import pack_microbatches, rollout_sequences, step_totals
+from cod_fast.packing import build_microbatch, pack_microbatches, rollout_sequences, step_totals
 from cod_fast.policy import Policy
-from cod_fast.train_step import NonFiniteError, train_step
+from cod_fast.train_step import NonFiniteError, runnable, train_step
 from tests.test_layout_invariance import random_episode
 
 ONE = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
@@ -133,3 +133,32 @@ def test_checkpoint_is_atomic_and_latest_moves(tmp_path):
     assert latest_checkpoint(tmp_path).step == 3
     assert [p.name for p in (tmp_path / "checkpoints").glob("step-*")] == ["step-0000003"]
     assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        LossConfig(policy="opd"),
+        LossConfig(policy="rec_one_side", kl="k3", beta=0.1),
+        KEEP_ALL,
+    ],
+    ids=["opd", "kl", "plain"],
+)
+def test_an_empty_bin_runs_every_loss_and_reports_the_same_metrics(config):
+    """A rank whose bin is empty runs a one-token placeholder (FSDP2 needs every rank's
+    forward); it carries the empty teacher / reference log-probs its loss requires, so it
+    trains nothing, raises nothing, and reports the metric names a real micro-batch does
+    (the ranks all-reduce them by name)."""
+    policy, _ = fresh()
+    (mbs,), denominator = batch(0, 4096)
+    real = mbs[0]
+    n = real.num_trainable
+    real.teacher_logp, real.ref_logp = -torch.rand(n), -torch.rand(n)
+    if config.policy != "opd":
+        real.teacher_logp = None
+    if config.beta == 0:
+        real.ref_logp = None
+    empty = runnable(build_microbatch([]), config)
+    outputs = [policy(mb, config=config, denominator=denominator) for mb in (real, empty)]
+    assert outputs[1].loss.item() == 0
+    assert sorted(outputs[0].metrics) == sorted(outputs[1].metrics)

@@ -273,9 +273,9 @@ def test_task_by_task_rolls_out_no_update_episodes(tmp_path, monkeypatch):
     modes = []
     evaluate = trainer_module.evaluate
 
-    def record_mode(sampler, chat, plan, settings, *args):
+    def record_mode(sampler, chat, plan, settings, *args, **kwargs):
         modes.append(settings.mode)
-        return evaluate(sampler, chat, plan, settings, *args)
+        return evaluate(sampler, chat, plan, settings, *args, **kwargs)
 
     monkeypatch.setattr(trainer_module, "evaluate", record_mode)
     trainer = Trainer(cfg)

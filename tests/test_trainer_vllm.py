@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +66,38 @@ def test_vllm_run_finishes_checkpoints_and_resumes_like_the_uninterrupted_one(tm
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), name
+
+
+def test_distill_runs_one_vllm_engine_after_another_in_one_process(tmp_path):
+    """`cod-fast distill` with the vLLM sampler trains two teachers, then the student, in one
+    process, each run on an engine of its own: every run's engine is shut down at its end, and
+    the process group stays for the next run. In mixed precision (model.dtype=bfloat16) the
+    trainer makes the process group before its engine, as under torchrun; leaving the group and
+    keeping the engine after each run broke the next engine ("Process group ... is not
+    initialized in the world group map"). Every run's RL step samples, with log-probs within
+    bf16 rounding of the trainer's."""
+    teachers = {env: tmp_path / "t" / env for env in ("frozenlake", "terminal")}
+    tiny = [
+        *FAST[:4],
+        "model.num_heads=1",
+        "model.dtype=bfloat16",
+        "rollout.sampler=vllm",
+        "rollout.vllm_eager=true",
+        "rollout.eval_packs=0",
+        "rollout.packs_per_step=2",
+        "rollout.group_size=2",
+        "train.warm_start_steps=1",
+        "train.warm_start_packs=2",
+        "train.steps=1",
+    ]
+    cmd = [sys.executable, "-m", "cod_fast.cli", "distill"]
+    cmd += ["--set", f"runtime.run_dir={tmp_path / 'student'}"]
+    cmd += ["--set", "algo.teachers={" + ", ".join(f"{e}: {f}" for e, f in teachers.items()) + "}"]
+    for o in tiny:
+        cmd += ["--set", o, "--teacher-set", o]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for run_dir in (*(f"{f}-run" for f in teachers.values()), tmp_path / "student"):
+        rl = [r for r in records(Path(run_dir)) if r["phase"] == "rl"]
+        assert len(rl) == 1 and rl[0]["sample_s"] > 0, run_dir
+        assert rl[0]["sampler_gap_mean"] < 2e-3 and rl[0]["sampler_gap_max"] < 2e-2, rl[0]

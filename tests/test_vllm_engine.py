@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cod_fast.bench.kernels import run_json_worker
+from cod_fast.rollout.vllm_sampler import EngineSupport, engine_kwargs
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +85,21 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine_run):
 
 
 @requires_vllm
+def test_top_p_logprobs_are_not_the_trainers(engine_run):
+    """Why RL refuses rollout.top_p < 1 (config.py): with top_p = 0.8 the engine's log-prob of
+    a sampled token exceeds the trainer's full-softmax one by -log(nucleus mass) (float64,
+    within 1e-3), and on every token whose nucleus leaves out more than 1% of the mass the gap
+    is over 0.01 nats, so the ratios start below 1."""
+    run = engine_run["top_p"]
+    excluded = f64(run["ref64"]) - f64(run["full64"])  # -log(nucleus mass)
+    gap = f64(run["vllm"]) - f64(run["trainer"])
+    assert (gap - excluded).abs().max() < 1e-3
+    cut = excluded > 0.01
+    assert cut.sum() >= len(gap) // 2, "too few sampled tokens had a nucleus that left out mass"
+    assert gap[cut].min() > 0.01, f"smallest gap {gap[cut].min():.2e} where mass was left out"
+
+
+@requires_vllm
 def test_seeds_and_stream_state(engine_run):
     """The same seed gives the same tokens, another seed others; a stream restored from its
     state_dict (through JSON, as a checkpoint keeps it) draws what the original drew next."""
@@ -121,6 +137,43 @@ def test_weight_push_makes_the_engine_the_new_policy(engine_run):
     assert push["pushed"] == push["parameters"]
     gap = (f64(push["resampled_vllm"]) - f64(push["resampled_trainer"])).abs()
     assert gap.mean() < 1e-4 and gap.max() < 1e-3
+
+
+@requires_vllm
+def test_engine_keywords_are_fields_of_the_installed_engine_args(engine_run):
+    """Every keyword `VLLMSampler.create` passes to vLLM's LLM, on the CPU and on the CUDA
+    branch, is a field of the installed vLLM's EngineArgs (as the worker's engine_support read
+    it: enable_extensible_kv_cache only where EngineArgs has it)."""
+    fields = set(engine_run["engine_args"])
+    support = EngineSupport(**engine_run["support"])
+    assert support.extensible_kv_cache == ("enable_extensible_kv_cache" in fields)
+    for device in ("cpu", "cuda"):
+        on = EngineSupport(
+            device, sleep=device == "cuda", extensible_kv_cache=support.extensible_kv_cache
+        )
+        kwargs = engine_kwargs(
+            "m",
+            on,
+            seed=0,
+            dtype="float32",
+            max_model_len=64,
+            enforce_eager=True,
+            gpu_memory_utilization=0.5,
+            cpu_kv_bytes=2**20,
+        )
+        assert set(kwargs) <= fields, f"{device}: not EngineArgs fields: {set(kwargs) - fields}"
+
+
+@requires_vllm
+def test_a_closed_engine_frees_its_model_and_another_starts(engine_run):
+    """`close` frees the engine's model and keeps the process group the engine found (the
+    trainer's, as under torchrun; vLLM's own shutdown destroys it); a second engine then starts
+    in the same process, takes a push and samples the policy's log-probs (mean gap under
+    1e-4)."""
+    run = engine_run["reopen"]
+    assert run["model_freed"] and run["group_kept"], run
+    gap = (f64(run["vllm"]) - f64(run["trainer"])).abs()
+    assert len(gap) > 0 and gap.mean() < 1e-4 and gap.max() < 1e-3
 
 
 @requires_vllm

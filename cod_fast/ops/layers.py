@@ -7,10 +7,10 @@ Three kernel families, each with ``impl=`` (`cpp`, `torch`; `None`: the default 
   stays float64). Its autograd function saves x and the [N] reciprocal RMS only.
 - `swiglu_down(gate, up, down_weight)`: down(SiLU(gate) * up), saving gate and up only and
   recomputing SiLU(gate) * up in the backward pass.
-- `decode_attention(q, k, v, norms, cos, sin, keys_t, values, mask, col, scale)`: a decode
+- `decode_attention(q, k, v, norms, cos, sin, keys, values, mask, col, scale)`: a decode
   step's attention after the projections (the torch sampler's fast path): per-head norms and
   rotary of q and k, the new KV-cache column, one query per row and head against the cache
-  (its keys stored transposed).
+  (its keys stored transposed for the C++ kernel, see `keys_transposed`).
 
 On a small model each is a chain of 4-12 torch ops, each one more pass over memory plus a
 dispatch (`cod-fast bench e2e`, tiny model: the norms and the SwiGLU elementwise work were about
@@ -250,6 +250,15 @@ def position_heads(
     return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
+def keys_transposed(impl: str | None, x: torch.Tensor) -> bool:
+    """Whether `decode_attention` with `impl` on tensors like `x` takes the cache's keys
+    transposed, [B, Hkv, d, W]: the C++ kernel's layout, each key dimension a contiguous row over
+    the columns. Otherwise they are [B, Hkv, W, d], as the values: SDPA's fused backends (flash,
+    memory-efficient, cuDNN) need a contiguous last dimension, and handed a transposed view
+    SDPA falls back to its math kernel, which copies the keys at every step and layer."""
+    return layer_impl(impl, x) == "cpp"
+
+
 def decode_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,7 +266,7 @@ def decode_attention(
     norms: tuple[torch.Tensor, torch.Tensor, float] | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keys_t: torch.Tensor,
+    keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
     col: int,
@@ -267,29 +276,32 @@ def decode_attention(
     """One decode step's attention from the projections q [B, Hq, d], k and v [B, Hkv, d]
     (Hq a multiple of Hkv): q and k normalised per head when `norms` = (q_norm weight, k_norm
     weight, eps) is given (Qwen3), then rotated by cos, sin [B, d]; k and v written into column
-    `col` of a KV cache kept with its keys transposed, keys_t [B, Hkv, d, W] and values
-    [B, Hkv, W, d]; then each query attends to columns 0..col where the bool `mask` [B, >= col
-    + 1] is true. Returns [B, Hq, d]; a row with no key gets zeros (as torch's CPU SDPA)."""
+    `col` of a KV cache: `keys` [B, Hkv, d, W] where `keys_transposed(impl, q)` (the C++ kernel,
+    which takes contiguous caches), else [B, Hkv, W, d], and `values` [B, Hkv, W, d]; then each
+    query attends to columns 0..col where the bool `mask` [B, >= col + 1] is true. Returns
+    [B, Hq, d]; a row with no key gets zeros (as torch's CPU SDPA)."""
     impl = layer_impl(impl, q)
-    if impl == "cpp" and keys_t.is_contiguous() and values.is_contiguous():
+    if impl == "cpp":
         q_w, k_w, eps = norms if norms is not None else (None, None, 0.0)
         out = torch.empty_like(q)
         cpp_rows._module().decode_attention_(
             np_view(q.contiguous()), np_view(k.contiguous()), np_view(v.contiguous()),
             np_copy(q_w), np_copy(k_w), eps,
-            np_view(cos.contiguous()), np_view(sin.contiguous()), np_view(keys_t), np_view(values),
+            np_view(cos.contiguous()), np_view(sin.contiguous()), np_view(keys), np_view(values),
             np_view(mask.contiguous()), col, scale, np_view(out), num_threads=torch.get_num_threads(),
         )  # fmt: skip
         return out
     q, k = position_heads(q, k, norms, cos, sin, impl)
-    keys_t[..., col] = k
+    keys[:, :, col] = k
     values[:, :, col] = v
+    # Grouped heads share their key-value head inside SDPA (enable_gqa) instead of a repeated
+    # copy of the cache.
     out = F.scaled_dot_product_attention(
         q[:, :, None],
-        keys_t[..., : col + 1].transpose(-1, -2),
+        keys[:, :, : col + 1],
         values[:, :, : col + 1],
         attn_mask=mask[:, None, None, : col + 1],
         scale=scale,
-        enable_gqa=keys_t.shape[1] != q.shape[1],
+        enable_gqa=keys.shape[1] != q.shape[1],
     )
     return out[:, :, 0]

@@ -20,7 +20,7 @@ from typing import Any
 
 from cod_fast.config import Config
 from cod_fast.distributed import DistContext, barrier
-from cod_fast.model import BUILTIN_TINY
+from cod_fast.model import BUILTIN_TINY, resolve_dtype
 from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem, head_dim
 
 CPU_AUTO = "torch"
@@ -87,11 +87,13 @@ def build_samplers(
 ) -> RunSamplers:
     """The run's samplers for `model` (whole, before any sharding) on this rank.
 
-    A torch sampler in one process shares the training module, so it needs no pushes; under FSDP
-    it gets a whole copy of its own. vLLM starts from the model's own weights: for the built-in
-    model a folder in the run directory that the main rank writes here.
+    A torch sampler in one unsharded process shares the training module, so it needs no
+    pushes; under FSDP (several ranks, or mixed precision's float32 masters) it gets a whole
+    copy of its own in the compute dtype. vLLM starts from the model's own weights: for the
+    built-in model a folder in the run directory that the main rank writes here.
     """
     kind, reason = choose_sampler(cfg.rollout.sampler, ctx.device.type, head_dim(model.config))
+    compute = resolve_dtype(cfg.model, ctx.device)
     temperature, top_p = cfg.algo.loss.temperature, cfg.rollout.top_p
     eval_temperature, eval_seed = eval_sampling["temperature"], eval_sampling["seed"]
     seed = cfg.train.seed + 1_000 * ctx.rank
@@ -104,7 +106,7 @@ def build_samplers(
             top_p=top_p,
             seed=seed,
             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            dtype=str(compute).removeprefix("torch."),
             max_model_len=engine_max_len(cfg, model.config.max_position_embeddings),
             enforce_eager=cfg.rollout.vllm_eager,
         )
@@ -112,8 +114,8 @@ def build_samplers(
         return RunSamplers(kind, reason, train, evaluation, owns_weights=True)
     from cod_fast.rollout.torch_sampler import TorchSampler
 
-    owns = ctx.distributed
-    sampler_model = copy.deepcopy(model) if owns else model
+    owns = ctx.sharded
+    sampler_model = copy.deepcopy(model).to(compute) if owns else model
 
     def make(s: int, t: float) -> TorchSampler:
         return TorchSampler(

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from cod_fast.config import Config
-from cod_fast.envs.base import Environment, Task
+from cod_fast.envs.base import Environment, Task, derive_seed
 from cod_fast.envs.packs import PackSpec
 from cod_fast.records import Episode, Rollout, Turn
 from cod_fast.rollout.chat import ChatFormat
@@ -206,14 +206,16 @@ class RolloutDriver:
             )
         return self.envs[spec.env]
 
-    def run(self, packs: list[PackSpec], group_size: int) -> list[Rollout]:
-        """Roll out every pack `group_size` times; one Rollout per (pack, member)."""
+    def run(self, packs: list[PackSpec], group_size: int, keyed: bool = False) -> list[Rollout]:
+        """Roll out every pack `group_size` times; one Rollout per (pack, member). `keyed`: every
+        response's sampling noise comes from what it answers (`response_key`), so a pack plays
+        the same whatever other packs share its sampler calls (evaluation split over ranks)."""
         runs = [RunState(spec=spec, member=g) for spec in packs for g in range(group_size)]
         try:
             for run in runs:
                 self._start_solve(run)
             while live := [run for run in runs if run.phase != "done"]:
-                for run, sample in zip(live, self._sample(live), strict=True):
+                for run, sample in zip(live, self._sample(live, keyed), strict=True):
                     self._advance(run, sample)
         finally:
             self._worker.close()
@@ -227,10 +229,27 @@ class RolloutDriver:
             for run in runs
         ]
 
-    def _sample(self, live: list[RunState]) -> list[Sample]:
+    def _sample(self, live: list[RunState], keyed: bool) -> list[Sample]:
         """One batched sampler call for the next response of every live run."""
-        return self.sampler.generate(
-            [run.prompt_ids for run in live], [self.settings.max_response_tokens] * len(live)
+        prompts = [run.prompt_ids for run in live]
+        caps = [self.settings.max_response_tokens] * len(live)
+        if not keyed:
+            return self.sampler.generate(prompts, caps)
+        return self.sampler.generate(prompts, caps, keys=[self.response_key(r) for r in live])
+
+    def response_key(self, run: RunState) -> int:
+        """The sampling key of a run's next response: its environment, pack (seed and tasks),
+        member, position, episode kind and turn."""
+        spec = run.spec
+        return derive_seed(
+            "response",
+            self.env_of(spec).name,
+            spec.pack_seed,
+            spec.task_indices,
+            run.member,
+            run.position,
+            run.phase,
+            len(run.turns),
         )
 
     # --- solve-task episodes -------------------------------------------------------------------

@@ -39,7 +39,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cod_fast.lean import _lean_mlp_forward, _lean_norm_forward
-from cod_fast.ops.layers import decode_attention, position_heads, rms_norm, swiglu
+from cod_fast.ops.layers import (
+    decode_attention,
+    keys_transposed,
+    position_heads,
+    rms_norm,
+    swiglu,
+)
 from cod_fast.rollout.vllm_sampler import head_dim
 
 _LINEAR_NAMES = (
@@ -156,16 +162,20 @@ class FastDecoder:
     def start(self, cache, mask: torch.Tensor, new_tokens: int, index: torch.Tensor) -> None:
         """Take over the rows `index` (repeats allowed) of a prefilled cache (keys [B, kv_heads,
         W, d] per layer) and of its left-padding mask [B, W], with room for `new_tokens` more
-        columns. The keys are kept transposed, [B, kv_heads, d, W] (ops.layers.decode_attention)."""
+        columns. The keys are kept in the layout decode_attention reads on their dtype and
+        device: transposed, [B, kv_heads, d, W], for the C++ kernel, else [B, kv_heads, W, d]
+        (ops.layers.keys_transposed)."""
         rows, width = len(index), mask.shape[1]
         full = -(-(width + new_tokens) // 16) * 16  # whole vectors for the C++ key loops
+        # The dimension order the keys are stored in (a swap, its own inverse).
+        order = (0, 1, 3, 2) if keys_transposed(None, cache.layers[0].keys) else (0, 1, 2, 3)
         self.keys, self.values = [], []
         for layer in cache.layers:
             keys, values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-            shape = (rows, self.kv_heads, self.head_dim, full)
-            self.keys.append(keys.new_zeros(shape))  # transposed: [B, kv_heads, d, W]
-            self.keys[-1][..., :width] = keys.transpose(-1, -2)
-            self.values.append(values.new_empty(rows, self.kv_heads, full, shape[2]))
+            shape = (rows, self.kv_heads, full, self.head_dim)
+            self.keys.append(keys.new_zeros([shape[i] for i in order]))
+            self.keys[-1].permute(order)[:, :, :width] = keys
+            self.values.append(values.new_empty(shape))
             self.values[-1][:, :, :width] = values
         self.mask = torch.ones(rows, full, dtype=torch.bool, device=mask.device)
         self.mask[:, :width] = mask.bool()[index]

@@ -4,6 +4,13 @@ One batched call per driver step: token-id prompts in; sampled token ids, the lo
 sampled token (under the temperature the loss uses) and a finish reason out. The torch and vLLM
 samplers of the trainer implement it; `TextPolicySampler` puts a scripted text policy behind it,
 for tests and for checking environments end to end without a model.
+
+Keyed calls: with `keys` (one 64-bit integer per prompt), response i's randomness is a function
+of the sampler's seed, keys[i] and the token's index alone, never of the other prompts in the
+call or of earlier calls. Evaluation uses them (the rollout driver derives a key from the pack,
+the member, the task and the turn), so an evaluation split over ranks samples exactly what one
+rank would. The uniforms come from a counter-based hash (splitmix64's finaliser) on numpy's
+uint64, whose arithmetic wraps by definition.
 """
 
 from __future__ import annotations
@@ -12,7 +19,39 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import numpy as np
+
 from cod_fast.rollout.chat import ChatFormat
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 whose output bits all depend on every
+    input bit."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def key_streams(seed: int, keys: list[int]) -> np.ndarray:
+    """One uint64 stream id per key, for `keyed_uniforms` (the seed mixed in once)."""
+    ids = np.array([k % 2**64 for k in keys], dtype=np.uint64)
+    return _mix(ids ^ _mix(np.array([seed % 2**64], dtype=np.uint64)))
+
+
+def keyed_uniforms(streams: np.ndarray, step: int) -> np.ndarray:
+    """float64 uniforms in [0, 1), one per stream, for token index `step`: 53 bits of
+    mix(stream + (step + 1) * golden), a different number for every (stream, step)."""
+    with np.errstate(over="ignore"):
+        x = _mix(streams + np.uint64(step + 1) * _GOLDEN)
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def request_seed(seed: int, key: int) -> int:
+    """A per-request seed for an engine that seeds each request's own generator (vLLM)."""
+    return int(key_streams(seed, [key])[0] >> np.uint64(1))  # 63 bits: a valid int64 seed
 
 
 @dataclass
@@ -23,8 +62,11 @@ class Sample:
 
 
 class Sampler(Protocol):
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        """One response per prompt, at most max_new_tokens[i] tokens for prompt i."""
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], keys: list[int] | None = None
+    ) -> list[Sample]:
+        """One response per prompt, at most max_new_tokens[i] tokens for prompt i; with `keys`,
+        response i's draws depend on keys[i] alone (see the module docstring)."""
         ...
 
 
@@ -37,8 +79,10 @@ class TextPolicySampler:
         self.chat = chat
         self.calls = 0
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        self.calls += 1
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], keys: list[int] | None = None
+    ) -> list[Sample]:
+        self.calls += 1  # deterministic: keys change nothing
         return [
             text_sample(self.chat, self.policy(self.chat.decode(prompt)), cap)
             for prompt, cap in zip(prompts, max_new_tokens, strict=True)

@@ -18,7 +18,8 @@ rows. Prefill and decode run through cod_fast.rollout.fast_decode where the mode
 same arithmetic without transformers' module stack), else through the model's forward.
 Randomness comes from the sampler's own generator, never the global RNG: the trainer's
 bit-for-bit resume depends on the global state, and `state_dict` lets a resumed run draw the
-same samples.
+same samples. A keyed call (cod_fast.rollout.sampler) takes each row's uniforms from its key
+instead, and leaves the generator as it was.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from cod_fast.rollout.fast_decode import FastDecoder
-from cod_fast.rollout.sampler import Sample
+from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms
 
 BUCKET_RATIO = 1.25
 """A bucket's longest prompt is at most this many times its shortest: at most ~20% padding."""
@@ -98,17 +99,17 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -
     return logp.masked_fill(drop, -math.inf).log_softmax(dim=-1)
 
 
-def draw(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def draw(logp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[B, 1] token ids drawn from the rows of `logp` [B, V] (log-probs, -inf for excluded
-    tokens) by inverse CDF: the first v whose cumulative probability exceeds u * total, u ~ U[0, 1)
-    one per row. The sums are float64, so every token's interval has its probability to 1e-16 (a
+    tokens) by inverse CDF: the first v whose cumulative probability exceeds u * total, with
+    `uniforms` [B, 1] float64 u ~ U[0, 1), one per row. The sums are float64, so every token's interval has its probability to 1e-16 (a
     float32 running sum over 150k tokens would shift them by up to 1e-7, more than a rare token's
     p). A token with p = 0 adds nothing to the sum and can never be the first to exceed u. On a
     CPU: an exp, a cumsum and a search, 18 us for 32 rows of 334 tokens, where the exponential
     race took 180 us and torch.multinomial 150 us."""
     cdf = logp.double().exp_().cumsum_(dim=-1)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=cdf.dtype, device=cdf.device) * total
+    u = uniforms.to(device=cdf.device, dtype=cdf.dtype) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding: u < total
     return torch.searchsorted(cdf, u, right=True)
 
@@ -186,10 +187,15 @@ class TorchSampler:
 
     # --- generation ----------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], keys: list[int] | None = None
+    ) -> list[Sample]:
         """One response per prompt, at most max_new_tokens[i] tokens for prompt i; a response
-        that samples a stop token ends with it (included), finish reason "stop"."""
+        that samples a stop token ends with it (included), finish reason "stop". With `keys`,
+        response i's draws come from keys[i] alone (cod_fast.rollout.sampler)."""
         self._check_inputs(prompts, max_new_tokens)
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"keys needs one key per prompt: {len(prompts)} prompts, {len(keys)}")
         if not prompts:
             return []
         self.calls += 1
@@ -216,7 +222,8 @@ class TorchSampler:
                 order = [i for j in flat for i in copies[j]]
                 starts = [row for row, j in enumerate(flat) for _ in copies[j]]
                 caps = [max_new_tokens[i] for i in order]
-                samples = self._decode(decoder, *self._join(prefilled), starts, caps)
+                streams = None if keys is None else key_streams(self.seed, [keys[i] for i in order])
+                samples = self._decode(decoder, *self._join(prefilled), starts, caps, streams)
         finally:
             self.model.train(was_training)
         out: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]
@@ -290,10 +297,11 @@ class TorchSampler:
         return FastDecoder(self.model) if why is None else _ModuleDecoder(self)
 
     def _decode(
-        self, decoder, cache, logits, mask, next_pos, starts: list[int], caps: list[int]
+        self, decoder, cache, logits, mask, next_pos, starts: list[int], caps: list[int], streams
     ) -> list[Sample]:
         """Sample until every row stopped or reached its cap; finished rows leave the batch.
-        Response i starts from the prefilled batch row starts[i] (repeats allowed)."""
+        Response i starts from the prefilled batch row starts[i] (repeats allowed); `streams`
+        (None: the generator) are the rows' key streams."""
         index = torch.tensor(starts, device=self.device)
         decoder.start(cache, mask, max(caps), index)
         logits, next_pos = logits[index], next_pos[index]
@@ -301,9 +309,11 @@ class TorchSampler:
         logps: list[list[float]] = [[] for _ in caps]
         finish = ["length"] * len(caps)
         rows = list(range(len(caps)))  # the prompt each live batch row belongs to
+        step = 0  # live rows decode in lockstep: each has drawn `step` tokens
         while True:
             logp = processed_logprobs(logits, self.temperature, self.top_p)
-            tok = draw(logp, self.generator)  # [B, 1]
+            tok = draw(logp, self._uniforms(len(rows), step, streams, rows))  # [B, 1]
+            step += 1
             picked = logp.gather(-1, tok)
             keep = []
             # One host sync per step: the stop test needs the tokens.
@@ -331,6 +341,16 @@ class TorchSampler:
             Sample(token_ids=t, logprobs=lp, finish_reason=f)
             for t, lp, f in zip(tokens, logps, finish, strict=True)
         ]
+
+    def _uniforms(self, count: int, step: int, streams, rows: list[int]) -> torch.Tensor:
+        """[count, 1] float64 uniforms for one decode step: from the generator, or from each
+        live row's key stream."""
+        if streams is None:
+            shape = (count, 1)
+            return torch.rand(
+                shape, generator=self.generator, dtype=torch.float64, device=self.device
+            )
+        return torch.from_numpy(keyed_uniforms(streams[rows], step)[:, None])
 
     # --- weights -------------------------------------------------------------------------------
 

