@@ -166,8 +166,37 @@ def train(
     """
     if init_from is not None:
         overrides = [*(overrides or []), f"train.init_from={init_from}"]
-    cfg = _resolve_config(preset, config_file, overrides, for_training=True)
-    _train_run(cfg, resume, Console())
+    _checked_run(_resolve_config(preset, config_file, overrides), resume, Console())
+
+
+def _checked_run(cfg: Config, resume: bool, console: Console, *, last: bool = True) -> None:
+    """A run as `cod-fast train` makes it: its run directory locked for this process (the main
+    rank's) before anything is written there, then --resume's rules (cod_fast.run_dir) and the
+    preflight checked, then the run; a refusal is one red line and exit code 2."""
+    import os
+
+    from cod_fast.checkpoint import CheckpointError
+    from cod_fast.run_dir import RunDirError, check_resume, lock_run_dir, unlock_run_dir
+
+    run_dir = Path(cfg.runtime.run_dir)
+    if resume and not run_dir.is_dir():
+        _fail(f"--resume, but {run_dir} does not exist; drop --resume to start a run there")
+    main = os.environ.get("RANK", "0") == "0"  # torchrun's; the main rank alone writes
+    try:
+        if main:
+            lock_run_dir(run_dir)
+    except RunDirError as e:
+        _fail(str(e))
+    try:
+        try:
+            check_resume(cfg, resume)
+        except (RunDirError, CheckpointError) as e:
+            _fail(str(e))
+        _resolve_config(None, None, None, for_training=True, cfg=cfg)
+        _train_run(cfg, resume, console, last=last)
+    finally:
+        if main:
+            unlock_run_dir(run_dir)
 
 
 def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True) -> None:
@@ -259,17 +288,18 @@ def distill(
         _fail(f"{e} (a teacher run's config)")
     for job in jobs:
         console.print(f"teacher for {job.env}: training {job.config.runtime.run_dir}")
-        _resolve_config(None, None, None, for_training=True, cfg=job.config)
         done = latest_checkpoint(Path(job.config.runtime.run_dir))
         total = job.config.train.warm_start_steps + job.config.train.steps
         if done is None or done.step < total:
-            _train_run(job.config, resume=done is not None, console=console, last=False)
+            _checked_run(job.config, resume=done is not None, console=console, last=False)
         if ctx.is_main:
-            export_model(job.config.runtime.run_dir, job.folder)
+            try:
+                export_model(job.config.runtime.run_dir, job.folder)
+            except _bad_model_input() as e:  # a damaged checkpoint, a folder of other files
+                _fail(str(e))
         barrier(ctx)
         console.print(f"teacher for {job.env}: exported to {job.folder}")
-    _resolve_config(None, None, None, for_training=True, cfg=student)
-    _train_run(student, resume, console)
+    _checked_run(student, resume, console)
 
 
 def _fail(message: str) -> None:
@@ -281,8 +311,8 @@ def _fail(message: str) -> None:
 
 def _run_errors() -> tuple[type[BaseException], ...]:
     from cod_fast.checkpoint import CheckpointError
+    from cod_fast.run_dir import RunDirError
     from cod_fast.train_step import NonFiniteError
-    from cod_fast.trainer import RunDirError
 
     # What bad input and a bad machine raise (each message names the cause and the fix, an
     # OSError its path and errno: a full disk, a read-only folder); the rest are bugs and keep
@@ -354,7 +384,9 @@ def export_command(
         ),
     ] = "auto",
 ) -> None:
-    """Write a run's checkpoint as a Hugging Face model folder (from_pretrained loads it)."""
+    """Write a run's checkpoint as a Hugging Face model folder (from_pretrained loads it).
+
+    The folder is replaced as a whole: --out must be new, empty, or an earlier export."""
     from typing import get_args
 
     from cod_fast.checkpoint import CheckpointError
@@ -365,9 +397,9 @@ def export_command(
         _fail(f"--dtype: got {dtype!r}; expected one of {', '.join(choices)}")
     try:
         ckpt = export_model(run_dir, out, step, dtype)  # type: ignore[arg-type]
-    except (OSError, ConfigError, CheckpointError) as e:
-        Console(stderr=True).print(f"error: {e}", style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+    # ValueError: a bad config.yaml (ConfigError), weights that do not fit the run's model.
+    except (OSError, ValueError, CheckpointError) as e:
+        _fail(str(e))
     typer.echo(f"wrote step {ckpt.step} of {run_dir} to {out}")
 
 
@@ -527,6 +559,14 @@ def _model_play(model: Path, flags: dict) -> tuple[dict, object, object]:
         _fail(str(e))
 
 
+def _check_packs(packs: int | None) -> None:
+    """--packs within what an evaluation may play (a billion would build a billion seeds)."""
+    from cod_fast.config import MAX_EVAL_PACKS
+
+    if packs is not None and not 1 <= packs <= MAX_EVAL_PACKS:
+        _fail(f"--packs: got {packs}; expected an integer in [1, {MAX_EVAL_PACKS}]")
+
+
 def _bad_model_input() -> tuple[type[Exception], ...]:
     """What a bad model folder, run directory, name or value raises: one red line, no traceback."""
     from cod_fast.checkpoint import CheckpointError
@@ -602,6 +642,7 @@ def eval_command(
     from cod_fast.evaluate import EvalPlan, evaluate
 
     flags = _play_flags(locals())
+    _check_packs(packs)
     strategies = tuple(strategy or (STRATEGIES if ralph or matrix else ("cod",)))
     if unknown := [s for s in strategies if s not in STRATEGIES]:
         _fail(f"unknown --strategy {unknown}; choose from {', '.join(STRATEGIES)}")
@@ -689,6 +730,7 @@ def rollout_command(
     from cod_fast.rollout.driver import RolloutDriver
     from cod_fast.transcript import print_rollout, rollout_record
 
+    _check_packs(count)
     o, sampler, chat = _model_play(model, _play_flags(locals()))
     environment = make_env(o["env"], o["setting"], o["size"])
     played = make_packs(pack_seeds("eval", count), o["tasks"])

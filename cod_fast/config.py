@@ -26,6 +26,10 @@ Aggregation = Literal[
 ]
 EnvName = Literal["frozenlake", "alchemy", "terminal", "optimal_control", "pde", "grid_nav"]
 
+MAX_EVAL_PACKS = 100_000
+"""The most packs one evaluation may play (`rollout.eval_packs`, `cod-fast eval --packs`): far
+above any real evaluation, and a seed list of that length costs nothing."""
+
 SHOWN_CHARS = 200
 """The most characters of a value (or key) an error message echoes: a message stays one short
 line even when the value is a megabyte string or a huge mapping."""
@@ -90,6 +94,12 @@ class _Config:
     def _above(self, low: float, *names: str) -> None:
         for name in names:
             self._require(getattr(self, name) > low, name, f"a number > {low}")
+
+    def _at_most(self, high: int, *names: str) -> None:
+        """A bound far above any real run: a larger value is a typo (a few zeros too many) that
+        would otherwise fill the memory minutes into the run."""
+        for name in names:
+            self._require(getattr(self, name) <= high, name, f"at most {high} (far above any run)")
 
 
 @functools.cache
@@ -187,6 +197,7 @@ class LossConfig(_Config):
         self._above(0, "tis_cap", "mis_low", "temperature", "opd_coef")
         self._above(self.mis_low, "mis_high")
         self._at_least(1, "max_response_len")
+        self._at_most(2**17, "max_response_len")  # rollout.max_response_tokens's bound
         if self.beta > 0 and self.kl is None:
             raise ConfigError("kl", f"got None with beta={self.beta}; set `kl` to k1, k2 or k3")
 
@@ -233,6 +244,12 @@ class ModelConfig(_Config):
             self._require(bool(self.tokenizer_path.strip()), "tokenizer_path", "a folder or null")
         self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
         self._at_least(128, "vocab_size")
+        # Built-in model sizes at about 4x the largest open models (width 16k, MLP 53k, 126
+        # layers, vocabularies of 262k); what fits this machine is the preflight's estimate.
+        self._at_most(2**16, "hidden_size")
+        self._at_most(2**18, "intermediate_size")
+        self._at_most(2**10, "num_layers")
+        self._at_most(2**20, "vocab_size")
         divisible = self.hidden_size % self.num_heads == 0
         self._require(divisible, "hidden_size", f"a multiple of num_heads={self.num_heads}")
 
@@ -342,6 +359,13 @@ class RolloutConfig(_Config):
         self._at_least(1, "max_hint_tokens")
         self._at_least(2, "group_size")  # the baseline is a group mean
         self._at_least(0, "min_hint_chars", "hint_penalty", "eval_packs", "length_penalty")
+        # Bounds 64x the largest preset or more (qwen3-1.7b: 16 packs x 8 members x 8 tasks,
+        # 2048-token responses; tiny-cpu: 128 eval packs); 2^17 tokens is the longest context
+        # window of today's open models. Their products (one sampler batch) are the preflight's.
+        self._at_most(4096, "packs_per_step")
+        self._at_most(1024, "group_size", "tasks_per_pack")
+        self._at_most(2**17, "max_response_tokens", "max_hint_tokens")
+        self._at_most(MAX_EVAL_PACKS, "eval_packs")
         if self.env_timeout_s is not None:
             self._above(0, "env_timeout_s")
         self._require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
@@ -458,6 +482,9 @@ class TrainConfig(_Config):
         self._at_least(0, "steps", "weight_decay", "warm_start_steps", "warm_start_warmup", "seed")
         self._above(0, "lr", "grad_clip", "warm_start_lr")
         self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")
+        # Over 100x the qwen3-1.7b preset's 32768 tokens and 16 packs per step.
+        self._at_most(2**22, "token_budget")
+        self._at_most(4096, "warm_start_packs")
         self._require(
             0 <= self.warm_start_hint_noise <= 1, "warm_start_hint_noise", "a fraction in [0, 1]"
         )

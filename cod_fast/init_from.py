@@ -4,7 +4,8 @@ PATH is a run directory (the weights of its latest checkpoint, and its tokenizer
 Face model folder in safetensors (what `cod-fast export` writes). Only the weights come from
 PATH: the new run has its own fresh optimizer, seeds, pack stream and run directory, so several
 arms (CoD RL, task-by-task RL, other seeds) can start from exactly the same checkpoint. Weights
-are read from safetensors only, never from a pickle.
+are read from safetensors only, never from a pickle, and must be finite (cod_fast.checkpoint
+refuses a damaged file with one line).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-from cod_fast.checkpoint import latest_checkpoint, read_model_state
+from cod_fast.checkpoint import CheckpointError, latest_checkpoint, read_model_state, read_weights
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -25,9 +25,11 @@ def check_source(path: str) -> str | None:
     """Why `path` cannot be a start (None when it can)."""
     source = Path(path)
     if _is_run_dir(source):
-        return (
-            None if latest_checkpoint(source) else f"{path} is a run directory without checkpoints"
-        )
+        try:
+            found = latest_checkpoint(source)
+        except CheckpointError as exc:  # a torn meta.json, a linked folder: its own words
+            return str(exc)
+        return None if found else f"{path} is a run directory without checkpoints"
     if source.is_dir() and list(source.glob("*.safetensors")):
         return None
     return (
@@ -47,9 +49,10 @@ def initial_weights(path: str) -> dict[str, torch.Tensor]:
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(check_source(path))
+    fix = f"write {path} again (`cod-fast export RUN_DIR --out {path}`, or a fresh copy)"
     weights: dict[str, torch.Tensor] = {}
     for file in files:  # one file, or the shards of a large model
-        weights.update(load_file(file))
+        weights.update(read_weights(file, fix))
     return weights
 
 

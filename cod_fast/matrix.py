@@ -30,7 +30,7 @@ from cod_fast.envs.packs import STRATEGIES
 from cod_fast.evaluate import EvalPlan, eval_defaults, evaluate
 from cod_fast.export import export_model, read_run_config
 from cod_fast.metrics import PositionSummary
-from cod_fast.model import load_policy
+from cod_fast.model import load_model_files, load_policy, resolve_dtype
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.torch_sampler import TorchSampler
 
@@ -78,15 +78,30 @@ def load_player(
         o["settings"] = dataclasses.replace(
             o["settings"], max_response_tokens=o["max_response_tokens"]
         )
-        model_cfg = ModelConfig() if run is None else run.model
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        policy, tokenizer = load_policy(
-            dataclasses.replace(model_cfg, name_or_path=str(folder)), device
-        )
+        policy, tokenizer = load_policy(*_policy_config(folder, run))
     sampler = TorchSampler(
         policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
     )
     return o, sampler, ChatFormat(tokenizer)
+
+
+def _policy_config(folder: Path, run) -> tuple[ModelConfig, str]:
+    """(model config, device) that a player of the model in `folder` loads it with: its run's
+    model settings (`run`: the run's config, None for another model) on this machine's device."""
+    model_cfg = ModelConfig() if run is None else run.model
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dataclasses.replace(model_cfg, name_or_path=str(folder)), device
+
+
+def check_model_folder(model: str | Path) -> None:
+    """Raise ModelFolderError where `model`, a model folder, could not be played: its config.json
+    against its tokenizer and this machine's memory, as load_player will load it (a run
+    directory's own checkpoint is left to its export)."""
+    model = Path(model)
+    if is_run_dir(model):
+        return
+    cfg, device = _policy_config(model, read_run_config(model))
+    load_model_files(cfg.name_or_path, device, resolve_dtype(cfg, torch.device(device)))
 
 
 def model_labels(models: Sequence[str | Path]) -> list[str]:
@@ -144,6 +159,8 @@ def evaluate_matrix(
         raise ValueError("the matrix's environments are its columns: pass them as `envs`")
     _check_columns(envs, strategies)
     labels = model_labels(models)  # before any loading: a model given twice fails at once
+    for model in models:  # a bad last model fails before the first one plays
+        check_model_folder(model)
     flags = {**flags, "packs": packs, "tasks": tasks}
     rows, cells = [], []
     for i, (label, model) in enumerate(zip(labels, models, strict=True)):

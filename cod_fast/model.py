@@ -6,16 +6,28 @@ section 4). Packed sequences must not attend to each other (SPEC.md section 5): 
 installs one of the varlen kernels of cod_fast.attention (flash-attn, torch's varlen_attn, or
 per-sequence SDPA on the CPU and for float32), which read cu_seqlens. A model with any other
 attention implementation gets a block-diagonal causal mask instead (O(T^2) memory: the reference
-the tests compare the kernels with).
+the tests compare the kernels with). A model folder is checked before any weights exist
+(`load_model_files`): positive sizes in config.json, a vocabulary that holds every token id of
+its tokenizer, and weights that fit in this machine's memory at all.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from huggingface_hub.errors import StrictDataclassError
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from cod_fast.attention import KERNELS, packed_attention_kwargs, resolve_attn_impl
-from cod_fast.config import ModelConfig
+from cod_fast.config import ModelConfig, clipped
 from cod_fast.lean import make_lean
 from cod_fast.packing import MicroBatch
 from cod_fast.tokenizer import char_tokenizer
@@ -37,12 +49,10 @@ def master_dtype(cfg: ModelConfig, master: str, device: torch.device) -> torch.d
     return torch.float32 if master == "float32" else resolve_dtype(cfg, device)
 
 
-def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0, tokenizer=None):
-    """A Qwen3-architecture model from the config's sizes, for `tokenizer` (default: the local
-    character tokenizer)."""
-    tokenizer = tokenizer if tokenizer is not None else char_tokenizer()
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
+def tiny_qwen3_config(cfg: ModelConfig, vocab_size: int, eos_token_id: int | None = None):
+    """The Qwen3 config of the built-in model: the sizes of `cfg`, a vocabulary of `vocab_size`."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -51,8 +61,22 @@ def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0, tokenizer=None):
         head_dim=cfg.hidden_size // cfg.num_heads,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+    )
+
+
+BUILTIN_SIZES_FIX = "lower model.hidden_size, model.intermediate_size or model.num_layers"
+
+
+def build_tiny_qwen3(cfg: ModelConfig, seed: int = 0, tokenizer=None):
+    """A Qwen3-architecture model from the config's sizes, for `tokenizer` (default: the local
+    character tokenizer)."""
+    tokenizer = tokenizer if tokenizer is not None else char_tokenizer()
+    config = tiny_qwen3_config(cfg, len(tokenizer), tokenizer.eos_token_id)
+    # Built in float32 in host memory, whatever dtype and device it then goes to.
+    check_parameter_memory(
+        config, torch.device("cpu"), torch.float32, BUILTIN_TINY, BUILTIN_SIZES_FIX
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -74,21 +98,139 @@ def load_policy(
     `dtype` (default: the compute dtype; a trainer in mixed precision asks for its float32
     master dtype); the attention kernel is chosen for the compute dtype. Dtype and kernel are
     those of `device`, where the model will compute; its weights are put on `place` (default:
-    `device`), such as host memory for a model moved to the device only when it runs."""
+    `device`), such as host memory for a model moved to the device only when it runs. A model
+    that cannot work there is a ModelFolderError before any weights exist."""
     device = torch.device(device)
     dtype = dtype or resolve_dtype(cfg, device)
+    place = device if place is None else torch.device(place)
     if cfg.name_or_path == BUILTIN_TINY:
         model, tokenizer = build_tiny_qwen3(cfg, seed, tokenizer)
         model = model.to(dtype)
     else:
-        # Never code from a model folder: a model that needs its own Python fails with
-        # transformers' message instead of asking on the terminal whether to run it.
-        tokenizer = AutoTokenizer.from_pretrained(cfg.name_or_path, trust_remote_code=False)
+        config, tokenizer = load_model_files(cfg.name_or_path, place, dtype)
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path, dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
+            cfg.name_or_path,
+            config=config,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            trust_remote_code=False,
         )
     prepare_model(model, cfg, device)
-    return model.to(device if place is None else place), tokenizer
+    return model.to(place), tokenizer
+
+
+class ModelFolderError(ValueError):
+    """A model (a folder's config.json, or the built-in model's sizes) that does not fit its
+    tokenizer or this machine: one line naming the model, the field, the values and the fix."""
+
+
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+"""The sizes of a config.json that shape the weights (as transformers names them for every
+architecture); each must be a positive integer where the config has it."""
+ESTIMATE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
+"""The sizes without which parameter_count makes no estimate."""
+
+
+def load_model_files(name: str, place: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(config, tokenizer) of the causal LM `name` (a folder or hub id), checked against each
+    other and against the memory where its weights in `dtype` would be put (`place`), before
+    any weights exist: a bad size in config.json otherwise surfaces as a tensor error or a
+    terabyte allocation, and a vocabulary smaller than the tokenizer's as an index error in the
+    middle of sampling."""
+    # Never code from a model folder: a model that needs its own Python fails with
+    # transformers' message instead of asking on the terminal whether to run it.
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=False)
+    except (ValueError, StrictDataclassError) as e:  # transformers' own checks of its fields
+        raise ModelFolderError(
+            f"{name}: its config.json does not load ({clipped(' '.join(str(e).split()))}); "
+            "repair it (the model's released config.json) or use another model folder"
+        ) from None
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    fix = "repair config.json (the model's released one) or use another model folder"
+    sizes = config.get_text_config()  # the language model's part of a multimodal config
+    for field in SIZE_FIELDS:
+        value = getattr(sizes, field, None)
+        if value is not None and not (type(value) is int and value >= 1):
+            raise ModelFolderError(
+                f"{name}: config.json has {field}={value!r}; expected a positive integer: {fix}"
+            )
+    vocab = getattr(sizes, "vocab_size", None)
+    if vocab is not None and vocab < len(tokenizer):  # larger is padding, as many models have
+        raise ModelFolderError(
+            f"{name}: its tokenizer has {len(tokenizer)} tokens, but config.json has vocab_size="
+            f"{vocab}: token ids {vocab} and up have no embedding row; use the tokenizer the "
+            f"model was trained with, or a model with vocab_size >= {len(tokenizer)}"
+        )
+    check_parameter_memory(sizes, torch.device(place), dtype, name, fix)
+    return config, tokenizer
+
+
+def parameter_count(config) -> int | None:
+    """A rough parameter count of a decoder-only LM from its config (None where the config
+    lacks vocab_size, hidden_size or num_hidden_layers): the embedding (vocab_size
+    x hidden_size, twice when the LM head is not tied to it) plus, per layer, the attention
+    projections (q and o: hidden_size x heads x head_dim each; k and v: hidden_size x kv_heads
+    x head_dim each) and a gated MLP (3 x hidden_size x intermediate_size). Norms and biases
+    are left out (well under 1% at real sizes), and so are the extra experts of a
+    mixture-of-experts model; an MLP without a gate has 2 matrices, not 3. Rough, but within a
+    factor of two, which is all that catching absurd sizes needs."""
+    if any(getattr(config, f, None) is None for f in ESTIMATE_FIELDS):
+        return None
+    hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", None) or 1
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
+    embeddings = 1 if getattr(config, "tie_word_embeddings", False) else 2
+    layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * mlp
+    return embeddings * config.vocab_size * hidden + config.num_hidden_layers * layer
+
+
+def host_memory() -> int:
+    """This machine's physical memory, in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory(device: torch.device) -> int:
+    """The memory of `device`, in bytes: a GPU's own, or the host's for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return host_memory()
+
+
+def gib(nbytes: float) -> str:
+    """`nbytes` as an error message shows it."""
+    return f"{nbytes / 2**30:,.1f} GiB"
+
+
+def check_parameter_memory(config, place: torch.device, dtype: torch.dtype, name: str, fix: str):
+    """Refuse a model whose weights (parameter_count in `dtype`) cannot fit even in all of
+    this machine's memory: the host's, plus the GPU's when they go to one. A loose bound on
+    purpose: it catches absurd sizes (a typo in config.json) before a terabyte allocation, not
+    a model that merely leaves too little room for training."""
+    count = parameter_count(config)
+    if count is None:
+        return
+    need = count * dtype.itemsize
+    memory, where = host_memory(), "host"
+    if place.type == "cuda":
+        memory, where = memory + device_memory(place), f"host + {place}"
+    if need > memory:
+        raise ModelFolderError(
+            f"{name}: about {count:.3g} parameters (embedding + layers, from vocab_size, "
+            f"hidden_size, intermediate_size and num_hidden_layers) take {gib(need)} in "
+            f"{str(dtype).removeprefix('torch.')}, more than all {gib(memory)} of memory here "
+            f"({where}); {fix}"
+        )
 
 
 def prepare_model(model, cfg: ModelConfig, device: torch.device) -> None:

@@ -2,10 +2,13 @@
 
 `cod_fast.config` judges what a config says on its own. Some values can only be judged where the
 run starts: `runtime.hsdp_replicate` against the world size torchrun gives, a model path against
-the files there, the device `runtime.device=auto` lands on against the model dtype, and
-`train.token_budget` against a prompt's length in the run's tokenizer. The `train` command calls
-`preflight` before it builds the Trainer, so such a value is one line naming the field, the
-value and the fix, not a traceback (or a stopped run) after minutes of compute.
+the files there (a model folder's config.json against its tokenizer and, with the built-in
+model's sizes, against this machine's memory), the device `runtime.device=auto` lands on against
+the model dtype, the kernel implementation (`COD_FAST_IMPL`, `runtime.kernel_impl`) against what
+runs here, the torch sampler's KV cache for the run's largest batch against the device's memory,
+and `train.token_budget` against a prompt's length in the run's tokenizer. The `train` command
+calls `preflight` before it builds the Trainer, so such a value is one line naming the field (or
+variable), the value and the fix, not a traceback (or a stopped run) after minutes of compute.
 """
 
 from __future__ import annotations
@@ -13,17 +16,33 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
+
 from cod_fast.attention import resolve_attn_impl
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
 from cod_fast.distributed import mesh_layout, resolve_device
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.init_from import check_source
-from cod_fast.model import BUILTIN_TINY, resolve_dtype
+from cod_fast.model import (
+    BUILTIN_SIZES_FIX,
+    BUILTIN_TINY,
+    ModelFolderError,
+    check_parameter_memory,
+    device_memory,
+    gib,
+    load_model_files,
+    master_dtype,
+    resolve_dtype,
+    tiny_qwen3_config,
+)
+from cod_fast.ops import dispatch
 from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.choice import choose_sampler
 from cod_fast.rollout.driver import DriverSettings
 from cod_fast.rollout.hints import context_line
 from cod_fast.rollout.prompts import PROMPT_STYLES
+from cod_fast.rollout.vllm_sampler import head_dim
 from cod_fast.warmstart import run_tokenizer
 
 
@@ -32,6 +51,8 @@ def preflight(cfg: Config) -> None:
     started. The token-budget check needs the run's tokenizer: a `bpe` one is trained and saved
     in runtime.run_dir, as the run would, and the run then finds it there."""
     world_size = _environment_int("WORLD_SIZE", 1)
+    if world_size > 1:
+        _environment_int("LOCAL_RANK", 0)  # the device of each rank (cod_fast.distributed)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
     _check_model_path(cfg.model.name_or_path)
     for name, path in cfg.algo.teachers.items():
@@ -43,6 +64,9 @@ def preflight(cfg: Config) -> None:
                 f"one with `cod-fast export TEACHER_RUN --out {clipped(path)}`",
             )
         _check_model_path(path, f"algo.teachers.{name}", builtin=False)
+        # Teachers wait in host memory, in the compute dtype (cod_fast.teachers).
+        compute = resolve_dtype(cfg.model, resolve_device(cfg.runtime.device))
+        _check_model_files(path, f"algo.teachers.{name}", torch.device("cpu"), compute)
     tokenizer = cfg.model.tokenizer_path
     if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(
@@ -54,6 +78,10 @@ def preflight(cfg: Config) -> None:
         raise ConfigError("train.init_from", problem)
     _check_device_dtype(cfg)
     _check_attention(cfg)
+    _check_kernel_impls(cfg.runtime.kernel_impl)
+    model = _check_model(cfg)
+    if model is not None:
+        _check_sampler_memory(cfg, model, world_size)
     # Only the main process writes the tokenizer (run_tokenizer); the others would train their
     # own copy here for nothing, and the main process's refusal ends the run for all of them.
     if world_size == 1 or _environment_int("RANK", 0) == 0:
@@ -113,6 +141,79 @@ def _check_model_path(name: str, key: str = "model.name_or_path", builtin: bool 
         )
 
 
+def _check_model(cfg: Config):
+    """The run's model config (a transformers config), checked against its tokenizer and this
+    machine's memory before any weights exist (cod_fast.model); None for a hub id, which only a
+    download tells."""
+    model, device = cfg.model, resolve_device(cfg.runtime.device)
+    if model.name_or_path != BUILTIN_TINY:
+        dtype = master_dtype(model, cfg.train.master_dtype, device)  # as the Trainer loads it
+        return _check_model_files(model.name_or_path, "model.name_or_path", device, dtype)
+    # model.vocab_size bounds a bpe vocabulary; the character one is below its floor (128).
+    config = tiny_qwen3_config(model, model.vocab_size)
+    try:  # as build_tiny_qwen3 builds it: in float32, in host memory
+        check_parameter_memory(
+            config, torch.device("cpu"), torch.float32, model.name_or_path, BUILTIN_SIZES_FIX
+        )
+    except ModelFolderError as e:
+        raise ConfigError("model", str(e)) from None
+    return config
+
+
+def _check_model_files(name: str, key: str, place: torch.device, dtype: torch.dtype):
+    """The config of the model folder `name` (config field `key`), checked as load_policy
+    checks it for weights in `dtype` on `place`; None for a hub id."""
+    if not (Path(name) / "config.json").is_file():
+        return None
+    try:
+        return load_model_files(name, place, dtype)[0].get_text_config()
+    except ModelFolderError as e:
+        raise ConfigError(key, str(e)) from None
+
+
+def _check_sampler_memory(cfg: Config, model, world_size: int) -> None:
+    """The torch sampler's KV cache for the run's largest batch against the device's memory.
+
+    Every live episode of a rollout (rollout.packs_per_step x rollout.group_size) or of an
+    evaluation (rollout.eval_packs) decodes in one batch, each row with room for its prompt and
+    rollout.max_response_tokens, split over the ranks. Each field has its bound in the config;
+    their product has none that suits every model and machine, hence this estimate. A lower
+    bound (a prompt counts as one token), so a refusal is certain. vLLM pages its cache within
+    rollout.vllm_gpu_memory_utilization instead: not checked.
+    """
+    device = resolve_device(cfg.runtime.device)
+    try:
+        kind, _ = choose_sampler(cfg.rollout.sampler, device.type, head_dim(model))
+    except ValueError:
+        return  # a sampler that cannot run here: the Trainer refuses it in one line
+    if kind != "torch":
+        return
+    rollout = cfg.rollout
+    batches = [("rollout.eval_packs", rollout.eval_packs, f"{rollout.eval_packs} eval packs")]
+    if cfg.train.steps > 0:
+        rows = rollout.packs_per_step * rollout.group_size
+        what = f"{rollout.packs_per_step} packs x rollout.group_size={rollout.group_size}"
+        batches.append(("rollout.packs_per_step", rows, what))
+    key, rows, what = max(batches, key=lambda batch: batch[1])
+    rows = -(-rows // world_size)
+    ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
+    tokens = 1 + rollout.max_response_tokens
+    dtype = resolve_dtype(cfg.model, device)
+    kv_heads = getattr(model, "num_key_value_heads", None) or model.num_attention_heads
+    per_token = model.num_hidden_layers * 2 * kv_heads * head_dim(model) * dtype.itemsize
+    need, memory = rows * tokens * per_token, device_memory(device)
+    if need > memory:
+        fewer = key if key == "rollout.eval_packs" else f"{key} or rollout.group_size"
+        raise ConfigError(
+            key,
+            f"{what}: {rows} sequences in one sampler batch{ranks}, each of at least {tokens} "
+            f"tokens (a prompt and rollout.max_response_tokens), need {gib(need)} of KV cache "
+            f"in the torch sampler ({model.num_hidden_layers} layers x 2 x {kv_heads} kv heads "
+            f"x {head_dim(model)} x {dtype.itemsize} bytes a token), more than all {gib(memory)} "
+            f"of the {device.type} here; lower {fewer} or rollout.max_response_tokens",
+        )
+
+
 def _check_device_dtype(cfg: Config) -> None:
     device = cfg.runtime.device
     resolved = resolve_device(device)  # a ConfigError when cuda is asked for and there is none
@@ -126,6 +227,21 @@ def _check_attention(cfg: Config) -> None:
     Trainer would otherwise meet only when it loads the model."""
     device = resolve_device(cfg.runtime.device)
     resolve_attn_impl(cfg.model.attn_impl, device, resolve_dtype(cfg.model, device))
+
+
+def _check_kernel_impls(kernel_impl: str) -> None:
+    """COD_FAST_IMPL and runtime.kernel_impl against cod_fast.ops.dispatch's own rule, which the
+    run would apply only at its first training step (after the start evaluation). The variable
+    is checked even where the field names an implementation: the layer kernels read it too."""
+    usable = " or ".join(name for name in dispatch.IMPLS if dispatch.is_available(name))
+    env_fix = f"unset it (the best available implementation is then picked) or set it to {usable}"
+    field_fix = f"set runtime.kernel_impl to auto or {usable}"
+    for key, impl, fix in (
+        (dispatch.ENV_VAR, os.environ.get(dispatch.ENV_VAR), env_fix),
+        ("runtime.kernel_impl", None if kernel_impl == "auto" else kernel_impl, field_fix),
+    ):
+        if impl and (problem := dispatch.impl_problem(impl)):
+            raise ConfigError(key, f"{problem}; {fix}")
 
 
 def _check_token_budget(cfg: Config) -> None:

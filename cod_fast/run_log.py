@@ -10,7 +10,9 @@ Layout of `runtime.run_dir`:
   rewritten atomically as the run goes (after each evaluation, at most every 30 s otherwise);
 - `tb/`: TensorBoard event files when `runtime.tensorboard` is on;
 - `checkpoints/`, `tokenizer/`: see cod_fast.checkpoint and cod_fast.trainer.
-Only the main rank writes.
+Only the main rank writes. A last line of a log torn by a full disk or a power cut is dropped
+with a warning (a resume rewrites the file without it); a damaged line before it stops the
+reader with the file and the line number.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+from cod_fast.config import shown
 from cod_fast.metrics import PositionSummary, plot_positions
 
 RECENT_STEPS = 5
@@ -29,10 +33,52 @@ PLOT_EVERY_S = 30.0
 """A step redraws the plot at most this often (a redraw costs ~0.1 s; tiny steps take less)."""
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+class RunLogError(ValueError):
+    """A log of the run directory with a damaged line before its last; the message names the
+    file, the line and the fix."""
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """The records of a JSON-lines log, and whether the file holds more than those records'
+    lines (then the next append must not follow it as it is: `truncate` rewrites it).
+
+    A record is appended in one write, so a full disk or a power cut can only tear the last
+    line: that line is dropped with a warning naming the file. A damaged line with whole records
+    after it is no interrupted append but a damaged file, and guessing past it could hide lost
+    steps: RunLogError naming the line.
+    """
     if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], False
+    text = path.read_text(errors="replace")  # a power cut can leave bytes that are not UTF-8
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    records = []
+    for n, line in lines:
+        record = _record(line)
+        if record is not None:
+            records.append(record)
+        elif n < lines[-1][0]:
+            raise RunLogError(
+                f"{path}: line {n} is not a JSON record ({shown(line)}), and whole records "
+                "follow it; repair or delete that line, then run again"
+            )
+        else:
+            warnings.warn(
+                f"{path}: dropped its last line, cut short by an interrupted write (a full "
+                f"disk, a power cut): {shown(line)}; resuming the run rewrites the file without it",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return records, True
+    return records, not text.endswith("\n") and bool(text)
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    """The JSON object on `line`, or None where it holds none."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -69,9 +115,9 @@ class RunLog:
         if not self.enabled:
             return
         for path, keep in ((self.metrics_path, step), (self.eval_path, step - 1)):
-            records = _read_jsonl(path)
+            records, torn = _read_jsonl(path)
             kept = [r for r in records if r["step"] <= keep]
-            if len(kept) != len(records):
+            if torn or len(kept) != len(records):
                 _write_jsonl(path, kept)
 
     def step(self, record: dict[str, Any]) -> None:
@@ -106,13 +152,13 @@ class RunLog:
         self.plot()
 
     def evaluations(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.eval_path)
+        return _read_jsonl(self.eval_path)[0]
 
     def plot(self) -> None:
         """Reward by pack position: the mean of the last few training steps, and each eval;
         in a run with several environments also one plot per environment (`rewards-ENV.png`)."""
         self.plotted_at = time.monotonic()
-        steps = [r for r in _read_jsonl(self.metrics_path) if "reward_by_position" in r]
+        steps = [r for r in _read_jsonl(self.metrics_path)[0] if "reward_by_position" in r]
         evals = self.evaluations()
         envs = sorted({r["env"] for r in evals if r.get("env")})
         self._plot(steps, evals, "", self.dir / "rewards.png")

@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from cod_fast.algo.assign import assign_advantages
 from cod_fast.checkpoint import (
     CheckpointError,
-    latest_checkpoint,
     read_model_state,
     read_optimizer_state,
     read_rank_states,
+    read_weights,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -48,6 +48,7 @@ from cod_fast.config_io import dump_yaml
 from cod_fast.distributed import (
     DistContext,
     all_reduce_max,
+    broadcast_object,
     full_parameters,
     gather_objects,
     init_distributed,
@@ -78,6 +79,14 @@ from cod_fast.records import Rollout
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import build_samplers
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
+from cod_fast.run_dir import (
+    RunDirError,
+    check_resume,
+    flat_config,
+    lock_run_dir,
+    tokenizer_fingerprint,
+    unlock_run_dir,
+)
 from cod_fast.run_log import RunLog
 from cod_fast.teachers import Teachers
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
@@ -87,10 +96,6 @@ REFERENCE = "reference.safetensors"
 """The KL reference's weights in the run directory."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Signals that finish the step, checkpoint and end the run (a second one ends it at once)."""
-
-
-class RunDirError(RuntimeError):
-    """The run directory does not fit the request (checkpoints present without --resume)."""
 
 
 @dataclass
@@ -164,6 +169,8 @@ class Trainer:
         )
         self.device = self.ctx.device
         self.run_dir = Path(cfg.runtime.run_dir)
+        if self.ctx.is_main:  # the one writer of the run directory, from before its first write
+            lock_run_dir(self.run_dir)
         self.log = RunLog(
             self.run_dir, enabled=self.ctx.is_main, tensorboard=cfg.runtime.tensorboard
         )
@@ -503,6 +510,8 @@ class Trainer:
                         "world_size": self.ctx.world_size,
                         "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
                         "master_dtype": str(self.master_dtype).removeprefix("torch."),
+                        "config": flat_config(self.cfg),
+                        "tokenizer": tokenizer_fingerprint(self.tokenizer),
                     },
                     keep=self.cfg.runtime.keep_checkpoints,
                 )
@@ -513,20 +522,10 @@ class Trainer:
             raise failure or CheckpointError("the main process could not write the checkpoint")
 
     def _restore_or_start(self, resume: bool) -> None:
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is not None and not resume:
-            raise RunDirError(
-                f"{self.run_dir} already has checkpoints (latest: step {ckpt.step}); pass "
-                "--resume to continue that run, or set runtime.run_dir to a new folder"
-            )
+        ckpt = check_resume(self.cfg, resume)
         if ckpt is None:
-            if not resume and (self.run_dir / "metrics.jsonl").exists():
-                raise RunDirError(
-                    f"{self.run_dir} already holds a run's metrics.jsonl; pass --resume to "
-                    "continue it, or set runtime.run_dir to a new folder"
-                )
             if self.cfg.train.init_from is not None:
-                weights = initial_weights(self.cfg.train.init_from) if self.ctx.is_main else {}
+                weights = self._read_on_main(lambda: initial_weights(self.cfg.train.init_from))
                 load_model_state(self.policy, weights, self.ctx)
             self.log.truncate(-1)
         else:
@@ -534,33 +533,54 @@ class Trainer:
         self.log.write_config(dump_yaml(self.cfg))
 
     def _restore(self, ckpt) -> None:
-        if ckpt.extra.get("warm_start_steps") != self.warm_steps:
+        recorded = ckpt.extra.get("tokenizer")
+        if recorded is not None and recorded != tokenizer_fingerprint(self.tokenizer):
             raise RunDirError(
-                f"the checkpoint in {self.run_dir} was written with train.warm_start_steps="
-                f"{ckpt.extra.get('warm_start_steps')}, this config has {self.warm_steps}; "
-                "resume with the run's own config.yaml"
+                f"the checkpoint of step {ckpt.step} in {self.run_dir} was trained with another "
+                "tokenizer than this run loads (its token ids would mean other text): restore "
+                f"the run's tokenizer ({self.run_dir / 'tokenizer'} for a built-in model, else "
+                "the model folder's), or start a new run_dir"
             )
-        main = self.ctx.is_main
         self.step = ckpt.step
-        load_model_state(self.policy, read_model_state(ckpt) if main else {}, self.ctx)
+        load_model_state(self.policy, self._read_on_main(lambda: read_model_state(ckpt)), self.ctx)
         # The optimizer that wrote the checkpoint: the warm start's up to its last step (RL then
         # starts a fresh one), RL's after.
         if self.step > self.warm_steps and self.warm_steps:
             self.optimizer = self._optimizer(warm=False)
-        state = read_optimizer_state(ckpt) if main else {}
+        state = self._read_on_main(lambda: read_optimizer_state(ckpt))
         load_optimizer_state(self.policy, self.optimizer, state, self.ctx)
         if self.step > self.warm_steps:
             reference = self.run_dir / REFERENCE
-            self._freeze_reference(load_file(reference) if reference.exists() else {}, save=False)
+            fix = "it is the KL reference (the policy as RL began): restore it from a backup"
+            state = self._read_on_main(
+                lambda: read_weights(reference, fix) if reference.exists() else {}
+            )
+            self._freeze_reference(state, save=False)
         ranks = read_rank_states(ckpt)
         if len(ranks) == self.ctx.world_size:  # else new streams: resumed, but not bit-for-bit
             set_rng_state(ranks[self.ctx.rank]["rng"])
             self.sampler.load_state_dict(ranks[self.ctx.rank]["sampler"])
         self.log.truncate(self.step)
 
+    def _read_on_main(self, read: Callable[[], Any]) -> Any:
+        """`read()` on the main rank ({} on the others, which get the state by broadcast); a
+        damaged file there raises its CheckpointError on every rank, so none waits for it."""
+        value, problem = {}, None
+        if self.ctx.is_main:
+            try:
+                value = read()
+            except CheckpointError as exc:
+                problem = str(exc)
+        if (problem := broadcast_object(problem, self.ctx)) is not None:
+            raise CheckpointError(problem)
+        return value
+
     def close(self) -> None:
         """Free the samplers' engine (vLLM: its memory and its groups), so that another run can
-        start in this process; the process group stays. A torch sampler has nothing to free."""
+        start in this process, and give back the run directory's lock; the process group stays.
+        A torch sampler has nothing to free."""
         for sampler in (self.samplers.train, self.samplers.eval):
             if hasattr(sampler, "close"):
                 sampler.close()
+        if self.ctx.is_main:
+            unlock_run_dir(self.run_dir)

@@ -368,6 +368,55 @@ def test_top_p_below_one_is_refused_for_rl_naming_the_cause_and_the_fix():
     assert all(load_config(name).rollout.top_p == 1 for name in PRESETS)
 
 
+BOUNDS = {
+    "rollout.eval_packs": 100_000,
+    "rollout.packs_per_step": 4096,
+    "rollout.group_size": 1024,
+    "rollout.tasks_per_pack": 1024,
+    "rollout.max_response_tokens": 2**17,
+    "rollout.max_hint_tokens": 2**17,
+    "algo.loss.max_response_len": 2**17,
+    "train.token_budget": 2**22,
+    "train.warm_start_packs": 4096,
+    "model.hidden_size": 2**16,
+    "model.intermediate_size": 2**18,
+    "model.num_layers": 2**10,
+    "model.vocab_size": 2**20,
+}
+"""Every bounded size and its bound (cod_fast/config.py: 64x the largest preset's or more)."""
+TOGETHER = {"rollout.max_response_tokens": "algo.loss.max_response_len"}
+"""Fields that must equal another one, set with it where a config is to pass."""
+
+
+@pytest.mark.parametrize(("field", "bound"), BOUNDS.items(), ids=BOUNDS.keys())
+def test_sizes_are_bounded_far_above_any_run(field, bound):
+    """A size is accepted at its bound and refused one above it with a ConfigError naming the
+    field and the bound: rollout.eval_packs=10**9 used to build a billion-seed list and run out
+    of memory a minute into the run."""
+    partners = {v: k for k, v in TOGETHER.items()} | TOGETHER
+    together = [f"{partners[field]}={bound}"] if field in partners else []
+    assert _value(load_config(overrides=[f"{field}={bound}", *together]), field) == bound
+    message = _error([f"{field}={bound + 1}", *together])
+    assert message == f"{field}: got {bound + 1}; expected at most {bound} (far above any run)"
+
+
+def test_the_presets_sit_far_below_every_bound():
+    """The bounds leave room: every preset (the paper-scale qwen3-1.7b included) stays at a
+    64th of each bound or below, so no real run meets one."""
+    for name in PRESETS:
+        cfg = load_config(name)
+        for field, bound in BOUNDS.items():
+            assert _value(cfg, field) * 64 <= bound, (name, field, _value(cfg, field))
+
+
+def _value(cfg: Config, field: str):
+    """The value of the dotted `field` of `cfg`."""
+    node = to_dict(cfg)
+    for part in field.split("."):
+        node = node[part]
+    return node
+
+
 def _float_fields() -> list[tuple[type, str]]:
     sections = (LossConfig, ModelConfig, RolloutConfig, AlgoConfig, TrainConfig, RuntimeConfig)
     return [

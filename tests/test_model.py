@@ -7,11 +7,17 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from cod_fast import LossConfig
 from cod_fast.config import ModelConfig
-from cod_fast.model import lm_head_weight, load_policy, packed_hidden_states
+from cod_fast.model import lm_head_weight, load_policy, packed_hidden_states, parameter_count
 from cod_fast.ops import linear_policy_loss
 from cod_fast.packing import Sequence, build_microbatch, rollout_sequences
 from cod_fast.policy import Policy
@@ -124,3 +130,45 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     assert grads_plain.keys() == grads_ckpt.keys() and len(grads_plain) > 10
     for name in grads_plain:
         torch.testing.assert_close(grads_ckpt[name], grads_plain[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("cls", "config"),
+    [
+        (  # the sizes of Qwen/Qwen3-1.7B's config.json: tied embeddings, grouped KV heads
+            Qwen3ForCausalLM,
+            Qwen3Config(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=28,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                head_dim=128,
+                tie_word_embeddings=True,
+            ),
+        ),
+        (  # the sizes of meta-llama/Meta-Llama-3-8B's config.json: an untied LM head
+            LlamaForCausalLM,
+            LlamaConfig(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                tie_word_embeddings=False,
+            ),
+        ),
+    ],
+    ids=["qwen3-1.7b", "llama-3-8b"],
+)
+def test_parameter_count_estimates_real_models_within_a_tenth_of_a_percent(cls, config):
+    """The estimate a model folder is refused by (embedding + attention and gated-MLP matrices
+    per layer) is within 0.1% of the parameters transformers' own class creates for the same
+    config (built on the meta device: no memory), here 1.72B and 8.03B."""
+    with torch.device("meta"):
+        model = cls(config)
+    real = sum(p.numel() for p in model.parameters())
+    assert parameter_count(config) == pytest.approx(real, rel=1e-3)
+    assert parameter_count(config) <= real  # norms and biases left out: never above

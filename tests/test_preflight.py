@@ -7,6 +7,8 @@ it is built: a value refused only once the Trainer exists was refused after comp
 from __future__ import annotations
 
 import random
+import time
+import types
 
 import pytest
 import torch
@@ -18,12 +20,13 @@ from cod_fast.config import ConfigError, ModelConfig
 from cod_fast.config_io import load_config
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
-from cod_fast.model import load_policy
+from cod_fast.model import ModelFolderError, gib, load_policy
 from cod_fast.preflight import preflight
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings
 from cod_fast.tokenizer import CHATML, char_tokenizer, load_saved_tokenizer
 from cod_fast.warmstart import demonstrations, environment_tokenizer
+from tests.rollout_helpers import save_tiny_qwen3
 from tests.test_config import billion_laughs
 
 runner = CliRunner()
@@ -39,6 +42,13 @@ def one_cpu_process(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)
+
+
+def fake_cuda(monkeypatch, memory: int = 80 * 2**30) -> None:
+    """A CUDA device of `memory` bytes, for the checks that only read its presence and size."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    properties = types.SimpleNamespace(total_memory=memory)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
 
 
 @pytest.fixture
@@ -130,7 +140,7 @@ def test_train_refuses_a_cuda_varlen_kernel_with_a_float32_model(built, monkeypa
     """flash-attn's and torch's varlen kernels take float16/bfloat16 only: an explicit one with
     model.dtype=float32 on CUDA is refused before the Trainer, naming both ways out; `auto`
     passes (it picks the per-sequence kernel, which takes float32), as does bfloat16."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda(monkeypatch)
     sets = ["runtime.device=cuda", "model.dtype=float32", f"model.attn_impl={attn_impl}"]
     message = _refused(built, "model.attn_impl", *(x for s in sets for x in ("--set", s)))
     assert "model.dtype=bfloat16" in message and "model.attn_impl=sdpa" in message
@@ -158,6 +168,122 @@ def test_train_refuses_a_world_size_that_is_not_a_number(built, monkeypatch):
     """A WORLD_SIZE that is not an integer is named, not a ValueError traceback."""
     monkeypatch.setenv("WORLD_SIZE", "two")
     assert "'two'" in _refused(built, "WORLD_SIZE")
+
+
+def test_train_refuses_a_billion_eval_packs_in_under_a_second(built):
+    """rollout.eval_packs=10**9 built a billion-seed list and ran out of memory a minute into
+    the run; the config's bound refuses it at once, in one line naming the bound."""
+    started = time.perf_counter()
+    message = _refused(built, "rollout.eval_packs", "--set", "rollout.eval_packs=1000000000")
+    assert time.perf_counter() - started < 1.0
+    assert "got 1000000000; expected at most 100000" in message
+
+
+def test_built_in_model_sizes_beyond_this_machine_are_refused_before_any_weights(built):
+    """Built-in model sizes each within its bound whose weights could not fit in all of this
+    machine's memory (7.04e13 parameters, 256 TiB in float32: a tied 512-token embedding and 4
+    square attention and 3 MLP matrices a layer) are refused by the preflight with the estimate
+    and the fields to lower, and by load_policy before it allocates."""
+    sizes = {"hidden_size": 2**16, "num_layers": 2**10, "intermediate_size": 2**18}
+    sets = [x for name, value in sizes.items() for x in ("--set", f"model.{name}={value}")]
+    message = _refused(built, "model", *sets)
+    hidden, mlp = sizes["hidden_size"], sizes["intermediate_size"]
+    count = 512 * hidden + sizes["num_layers"] * (4 * hidden * hidden + 3 * hidden * mlp)
+    assert f"builtin:tiny-qwen3: about {count:.3g} parameters" in message
+    assert f"take {gib(4 * count)} in float32" in message
+    assert "lower model.hidden_size, model.intermediate_size or model.num_layers" in message
+    with pytest.raises(ModelFolderError, match="more than all"):
+        load_policy(ModelConfig(**sizes))
+
+
+BUILTIN_KV_BYTES = 3 * 2 * 4 * 24 * 4
+"""Bytes of KV cache per token of the default built-in model in float32: 3 layers x (keys,
+values) x 4 KV heads x head size 96 / 4 x 4 bytes, the shape cod_fast.rollout.fast_decode's
+`start` allocates per row and token."""
+
+
+@pytest.mark.parametrize(
+    ("sets", "field", "rows", "response"),
+    [
+        (
+            ["rollout.packs_per_step=4096", "rollout.group_size=1024"],
+            "rollout.packs_per_step",
+            4096 * 1024,
+            2048,
+        ),
+        (
+            ["rollout.eval_packs=100000", "train.steps=0", "train.warm_start_steps=0"],
+            "rollout.eval_packs",
+            100_000,
+            2**17,
+        ),
+    ],
+    ids=["rollout", "evaluation"],
+)
+def test_train_refuses_a_sampler_batch_whose_kv_cache_cannot_fit(
+    built, sets, field, rows, response
+):
+    """Each field within its bound, their product beyond any machine: one rollout batch of
+    4096 packs x 1024 members with 2048-token responses, or one evaluation of 100000 packs
+    with 2^17-token responses, needs over 18 TiB of KV cache in the torch sampler (every live
+    episode decodes in one batch). Refused before the Trainer with the estimate (rows x tokens
+    x bytes a token) and the fix."""
+    caps = [f"rollout.max_response_tokens={response}", f"algo.loss.max_response_len={response}"]
+    sets = [*sets, *caps]
+    tokens = 1 + response
+    message = _refused(built, field, *(x for s in sets for x in ("--set", s)))
+    assert f"{rows} sequences in one sampler batch, each of at least {tokens} tokens" in message
+    assert f"need {gib(rows * tokens * BUILTIN_KV_BYTES)} of KV cache" in message
+    assert f"; lower {field}" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("garbage", "unknown kernel implementation 'garbage': expected one of triton, cpp, torch"),
+        ("triton", "kernel implementation 'triton' is not usable here: no CUDA device"),
+    ],
+)
+def test_train_refuses_a_kernel_impl_variable_that_cannot_run(built, monkeypatch, value, problem):
+    """COD_FAST_IMPL naming no implementation, or Triton without CUDA (and without
+    TRITON_INTERPRET=1), is refused before the Trainer with the variable, its value, what is
+    allowed and the fix; the run used to meet it at its first training step, after the start
+    evaluation (the second as a traceback)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("COD_FAST_IMPL", value)
+    message = _refused(built, "COD_FAST_IMPL")
+    assert problem in message and "; unset it (the best available" in message
+
+
+def test_train_refuses_runtime_kernel_impl_triton_without_cuda(built, monkeypatch):
+    """runtime.kernel_impl=triton on a machine without CUDA is refused before the Trainer by
+    the same rule (cod_fast.ops.dispatch.impl_problem), naming the field and the fix."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    message = _refused(built, "runtime.kernel_impl", "--set", "runtime.kernel_impl=triton")
+    assert "'triton' is not usable here: no CUDA device" in message
+    assert "; set runtime.kernel_impl to auto or " in message
+
+
+def test_kernel_impls_that_can_run_pass_the_preflight(monkeypatch):
+    """What the dispatcher runs passes: COD_FAST_IMPL=torch, an empty COD_FAST_IMPL (unset, as
+    the dispatcher reads it), and Triton under TRITON_INTERPRET=1 (its CPU interpreter)."""
+    cfg = load_config(overrides=[CHAR, "train.steps=0", "train.warm_start_steps=0"])
+    for value in ("torch", ""):
+        monkeypatch.setenv("COD_FAST_IMPL", value)
+        preflight(cfg)
+    monkeypatch.setenv("COD_FAST_IMPL", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    preflight(cfg)
+    preflight(load_config(overrides=[CHAR, "train.steps=0", "runtime.kernel_impl=triton"]))
+
+
+def test_train_refuses_a_local_rank_that_is_not_a_number(built, monkeypatch):
+    """Under torchrun (WORLD_SIZE > 1) LOCAL_RANK picks each rank's device: one that is not an
+    integer is named, not a ValueError traceback from the process group's setup."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    assert "'first'" in _refused(built, "LOCAL_RANK")
 
 
 @pytest.mark.parametrize(
@@ -252,11 +378,9 @@ def test_token_budget_floor_is_the_drivers_first_prompt_plus_a_response(
 
 def test_preflight_passes_configs_that_work(tmp_path, monkeypatch):
     """What the checks must not refuse: the default run, a run that trains nothing with a
-    budget of 1, a hub id (not checkable offline), a model folder with a config.json, float16
-    where CUDA is, and HSDP that divides the world size (on a rank other than the main one)."""
-    folder = tmp_path / "my-model"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
+    budget of 1, a hub id (not checkable offline), a model folder, float16 where CUDA is, and
+    HSDP that divides the world size (on a rank other than the main one)."""
+    folder = save_tiny_qwen3(tmp_path / "my-model", char_tokenizer(CHATML))
     for overrides in (
         [],
         ["train.steps=0", "train.warm_start_steps=0", "train.token_budget=1"],
@@ -265,7 +389,7 @@ def test_preflight_passes_configs_that_work(tmp_path, monkeypatch):
         ["model.name_or_path=./my-model"],
     ):
         preflight(load_config(overrides=[CHAR, *overrides]))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda(monkeypatch)
     preflight(load_config(overrides=[CHAR, "runtime.device=auto", "model.dtype=float16"]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -63,6 +63,17 @@ def is_available(impl: str) -> bool:
     return _STATUS[impl]().startswith("available")
 
 
+def impl_problem(impl: str) -> str | None:
+    """Why `impl` cannot run here, or None when it can: the rule `resolve_impl` applies to a
+    name it is given, which the preflight applies to COD_FAST_IMPL and runtime.kernel_impl
+    before the run starts."""
+    if impl not in IMPLS:
+        return f"unknown kernel implementation {impl!r}: expected one of {', '.join(IMPLS)}"
+    if not is_available(impl):
+        return f"kernel implementation {impl!r} is not usable here: {_STATUS[impl]()}"
+    return None
+
+
 @functools.cache
 def _warn_cpp_missing() -> None:
     warnings.warn(
@@ -89,13 +100,10 @@ def resolve_impl(
         why = f"best available on {device.type} for {dtype}"
         if device.type == "cpu" and impl == "torch" and dtype != torch.float64:
             _warn_cpp_missing()
-    if impl not in IMPLS:
-        raise ValueError(f"unknown kernel implementation {impl!r} ({why}); choose one of {IMPLS}")
-    if not is_available(impl):
-        raise RuntimeError(
-            f"kernel implementation {impl!r} ({why}) is not usable here: "
-            f"{_STATUS[impl]()}; pick 'torch' or unset {ENV_VAR}"
-        )
+    if problem := impl_problem(impl):
+        # An unknown name is a bad value; a known one that cannot run here, a bad machine.
+        error = ValueError if impl not in IMPLS else RuntimeError
+        raise error(f"{problem} ({why}); pick 'torch' or unset {ENV_VAR}")
     return impl, why
 
 
