@@ -28,13 +28,20 @@ def torchrun_train(run_dir, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
 
 
+def failure(result: subprocess.CompletedProcess) -> str:
+    """What a failed torchrun said: every rank's error lines, then the end of its output."""
+    marks = ("error", "Error", "terminate", "Traceback", "[rank")
+    lines = [x for x in (result.stdout + result.stderr).splitlines() if any(m in x for m in marks)]
+    return "\n".join(lines[:60]) + "\n...\n" + result.stdout[-2000:] + result.stderr[-2000:]
+
+
 def test_two_ranks_warm_start_equals_one_process(tmp_path):
     """The warm start is deterministic, so 2 FSDP2 ranks (each packing its share, the step's
     denominator global) end with the parameters of 1 process within fp32 tolerance; the RL
     steps after it run across both ranks, and only rank 0 writes the run directory."""
     two = tmp_path / "two"
     result = torchrun_train(two, "train.warm_start_steps=3", "train.steps=1")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     one = Trainer(config(tmp_path / "one", "train.warm_start_steps=3", "train.steps=0"))
     one.run()
     ckpt = latest_checkpoint(two)
@@ -59,7 +66,7 @@ def test_two_rank_evaluation_equals_one_rank(tmp_path):
     one: the same mean rewards by position, errors and pack count."""
     steps = ("train.warm_start_steps=0", "train.steps=0", "rollout.eval_packs=5")
     result = torchrun_train(tmp_path / "two", *steps)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     Trainer(config(tmp_path / "one", *steps)).run()
     two, one = eval_rows(tmp_path / "two"), eval_rows(tmp_path / "one")
     assert [r["label"] for r in two] == ["start", "after warm start"]
@@ -87,7 +94,7 @@ def test_a_short_process_group_timeout_outlasts_a_long_evaluation(tmp_path):
         "rollout.eval_packs=240",
         "runtime.dist_timeout_s=8",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     assert [r["label"] for r in eval_rows(run)] == ["start", "after warm start", "end"]
 
 
@@ -98,7 +105,7 @@ def test_two_ranks_in_mixed_precision_equal_one_process(tmp_path):
     holds float32 masters and records the compute dtype."""
     mixed = ("model.dtype=bfloat16", "train.warm_start_steps=3", "train.steps=0")
     result = torchrun_train(tmp_path / "two", *mixed)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     one = Trainer(config(tmp_path / "one", *mixed))
     start = model_state(one.policy, one.ctx)
     one.run()
@@ -127,7 +134,7 @@ def test_distill_under_torchrun_trains_teachers_then_the_student(tmp_path):
         args += ["--set", override, "--teacher-set", override]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, failure(result)
     for name in ("frozenlake", "terminal"):
         assert (tmp_path / "t" / name / "config.json").exists()
         assert latest_checkpoint(tmp_path / "t" / f"{name}-run").extra["world_size"] == 2
