@@ -1,0 +1,347 @@
+"""`cod-fast envs ...`, `cod-fast eval` and `cod-fast rollout`: playing environments and models
+(cod_fast.cli registers these commands)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from cod_fast.cli_common import bad_model_input, fail
+
+envs_app = typer.Typer(help="List, play and solve the CoD environments.", no_args_is_help=True)
+
+
+SettingOption = Annotated[str, typer.Option("--setting", help="train or eval (harder).")]
+
+
+def _print_positions(title: str, label: str, rows: dict) -> None:
+    """A table of mean reward per pack position and the CoD gain, one row per summary."""
+    table = Table(title=title)
+    table.add_column(label)
+    width = max((len(summary.mean_reward) for summary in rows.values()), default=0)
+    for k in range(width):
+        table.add_column(f"pos {k}", justify="right")
+    table.add_column("CoD gain", justify="right")
+    for name, summary in rows.items():
+        table.add_row(name, *(f"{x:.3f}" for x in summary.mean_reward), f"{summary.cod_gain:+.3f}")
+    Console().print(table)
+
+
+EnvSizeOption = Annotated[str, typer.Option("--size", help="full (SPEC sizes) or tiny.")]
+
+
+def _make_env(name: str, setting: str, size: str):
+    from cod_fast.envs import make_env
+
+    try:
+        return make_env(name, setting, size)  # type: ignore[arg-type]
+    except ValueError as e:
+        fail(str(e))
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """The environments and what each asks of the agent."""
+    from cod_fast.envs import ENVIRONMENTS, env_class
+
+    table = Table(title="CoD environments")
+    for column in ("name", "description", "reward shown to update episode"):
+        table.add_column(column)
+    for name in ENVIRONMENTS:
+        cls = env_class(name)
+        table.add_row(name, Text(cls.description), "yes" if cls.reveals_reward else "no")
+    Console().print(table)
+
+
+@envs_app.command("solve")
+def envs_solve(
+    env: Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")],
+    packs: Annotated[int, typer.Option(help="Packs to play.")] = 100,
+    tasks: Annotated[int, typer.Option(help="Tasks per pack (K).")] = 4,
+    setting: SettingOption = "train",
+    size: EnvSizeOption = "full",
+) -> None:
+    """Per-position rewards of the scripted solver and explorer (with and without hints)."""
+    from cod_fast.envs.base import play_pack
+    from cod_fast.envs.packs import pack_seeds
+    from cod_fast.metrics import summarize
+
+    environment = _make_env(env, setting, size)
+    seeds = pack_seeds("eval" if setting == "eval" else "train", packs)
+    agents = (
+        ("solver", environment.solver, True),
+        ("explorer, hints", environment.explorer, True),
+        ("explorer, no hints", environment.explorer, False),
+    )
+    rows = {}
+    for label, factory, use_hints in agents:
+        results = [play_pack(environment, factory(), seed, tasks, use_hints) for seed in seeds]
+        rows[label] = summarize([r.rewards for r in results], [r.successes for r in results])
+    _print_positions(
+        f"{env} ({setting}, {size}): mean reward by pack position, {packs} packs", "agent", rows
+    )
+
+
+@envs_app.command("play")
+def envs_play(
+    env: Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")],
+    tasks: Annotated[int, typer.Option(help="Tasks in the pack.")] = 3,
+    seed: Annotated[int, typer.Option(help="Pack number (the same number, the same pack).")] = 0,
+    setting: SettingOption = "train",
+    size: EnvSizeOption = "tiny",
+) -> None:
+    """Play a pack in the terminal: actions at the prompt, your own hints between tasks."""
+    from cod_fast.envs.packs import pack_seeds
+    from cod_fast.rollout.hints import context_line
+    from cod_fast.rollout.prompts import PROMPT_STYLES
+
+    environment = _make_env(env, setting, size)
+    (pack_seed,) = pack_seeds("play", 1, start=seed)
+    hints: str | None = None
+    console = Console()
+    for k in range(tasks):
+        task = environment.task(pack_seed, k)
+        console.rule(f"task {k}")
+        console.print(
+            Text(PROMPT_STYLES["full"].solve_system(task.prompt(), context_line(hints, k == 0)))
+        )
+        observation = task.reset()
+        for _ in range(task.max_steps):
+            console.print(Text(observation), style="cyan")
+            outcome = task.step(typer.prompt("action"))
+            observation = outcome.observation
+            if outcome.done:
+                break
+        console.print(Text(observation), style="cyan")
+        console.print(f"reward {task.reward:.3f}; feedback: {task.feedback()}", markup=False)
+        if k < tasks - 1:
+            hints = typer.prompt("your hints for the next task (empty: none)", default="") or None
+
+
+ModelOption = Annotated[
+    Path, typer.Option("--model", help="A Hugging Face model folder (e.g. from cod-fast export).")
+]
+EnvOption = Annotated[
+    str | None, typer.Option(help="The training environment (in-domain) [frozenlake].")
+]
+PacksOption = Annotated[int | None, typer.Option(help="Packs per environment and strategy [32].")]
+TasksOption = Annotated[int | None, typer.Option(help="Tasks per pack (K) [4].")]
+SizeOption = Annotated[str | None, typer.Option(help="full (SPEC sizes) or tiny [full].")]
+EvalSettingOption = Annotated[str | None, typer.Option(help="train or eval (harder) [eval].")]
+MaxTokensOption = Annotated[int | None, typer.Option(help="Cap per response [512].")]
+TemperatureOption = Annotated[float | None, typer.Option(help="Sampling temperature [1].")]
+TopPOption = Annotated[float | None, typer.Option(help="Nucleus sampling threshold [1].")]
+SeedOption = Annotated[int | None, typer.Option(help="Sampling seed [0].")]
+
+
+PLAY_FLAGS = (
+    "env",
+    "size",
+    "setting",
+    "packs",
+    "tasks",
+    "max_response_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+)
+
+
+def _play_flags(options: dict) -> dict:
+    """The options of `eval` / `rollout` that override how a model plays (None: not given)."""
+    return {k: v for k, v in options.items() if k in PLAY_FLAGS}
+
+
+def _model_play(model: Path, flags: dict) -> tuple[dict, object, object]:
+    """(options, sampler, chat format) for playing `model` (cod_fast.matrix.load_player): a
+    model written by `cod-fast export`, or a run directory, plays as its run evaluated
+    (environment, size, eval setting and packs, prompt style, token caps, temperature, seed),
+    other models with the defaults in brackets; a flag that is given overrides one of those, and
+    says so."""
+    from cod_fast.matrix import load_player
+
+    try:
+        return load_player(model, flags, log=_to_stderr)
+    except bad_model_input() as e:
+        fail(str(e))
+
+
+def _check_packs(packs: int | None) -> None:
+    """--packs within what an evaluation may play (a billion would build a billion seeds)."""
+    from cod_fast.config import MAX_EVAL_PACKS
+
+    if packs is not None and not 1 <= packs <= MAX_EVAL_PACKS:
+        fail(f"--packs: got {packs}; expected an integer in [1, {MAX_EVAL_PACKS}]")
+
+
+def _to_stderr(line: str) -> None:
+    typer.echo(line, err=True)
+
+
+ModelsOption = Annotated[
+    list[Path],
+    typer.Option(
+        "--model",
+        help="A model folder (cod-fast export, any Hugging Face causal LM) or a run directory "
+        "(cod-fast train); repeatable with --matrix.",
+    ),
+]
+EnvsOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--env",
+        help="The training environment (in-domain) \\[frozenlake]; with --matrix the columns "
+        "(repeatable) \\[every environment].",
+    ),
+]
+
+
+def eval_command(
+    model: ModelsOption,
+    env: EnvsOption = None,
+    cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
+    ralph: Annotated[
+        bool, typer.Option(help="Also the Ralph-loop pack strategies (always in a --matrix).")
+    ] = False,
+    strategy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--strategy",
+            help="Only these pack strategies (repeatable): cod, ralph_sample, ralph_full.",
+        ),
+    ] = None,
+    matrix: Annotated[
+        bool,
+        typer.Option(
+            "--matrix",
+            help="Every --model on every --env and strategy: matrix.json and matrix.png. "
+            "The flags below apply to every model alike.",
+        ),
+    ] = False,
+    packs: PacksOption = None,
+    tasks: TasksOption = None,
+    size: SizeOption = None,
+    setting: EvalSettingOption = None,
+    max_response_tokens: MaxTokensOption = None,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
+    out: Annotated[
+        Path, typer.Option(help="Folder for eval.json and eval.png (matrix.json, matrix.png).")
+    ] = Path("runs/eval"),
+) -> None:
+    """Run a model over fixed eval packs; write per-position rewards (JSON) and a plot (PNG).
+
+    A model written by `cod-fast export` (or its run directory) is evaluated as its run
+    evaluated it: with no flag but --model the result is the run's last eval row. Every run is
+    evaluated with the CoD protocol (update episodes, hints carried forward). `--matrix` puts
+    several models side by side, each with its own settings but the environment."""
+    from cod_fast.envs import ENVIRONMENTS
+    from cod_fast.envs.packs import STRATEGIES
+    from cod_fast.evaluate import EvalPlan, evaluate
+
+    flags = _play_flags(locals())
+    _check_packs(packs)
+    strategies = tuple(strategy or (STRATEGIES if ralph or matrix else ("cod",)))
+    if unknown := [s for s in strategies if s not in STRATEGIES]:
+        fail(f"unknown --strategy {unknown}; choose from {', '.join(STRATEGIES)}")
+    if matrix:
+        envs = list(env or ENVIRONMENTS)
+        envs += [n for n in ENVIRONMENTS if cross_domain and n not in envs]
+        _eval_matrix(model, envs, strategies, flags, out)
+        return
+    if len(model) > 1 or len(env or ()) > 1:
+        fail("several --model or --env need --matrix; without it: one model, one environment")
+    o, sampler, chat = _model_play(model[0], flags | {"env": env[0] if env else None})
+    envs = (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
+    plan = EvalPlan(
+        envs=envs,
+        strategies=strategies,
+        setting=o["setting"],
+        size=o["size"],
+        packs=o["packs"],
+        tasks=o["tasks"],
+    )
+    report = evaluate(sampler, chat, plan, o["settings"], out)
+    rows = {
+        f"{name} / {strategy}": summary
+        for name, by_strategy in report["summaries"].items()
+        for strategy, summary in by_strategy.items()
+    }
+    title = f"eval ({o['setting']}, {o['size']}): mean reward by pack position, {o['packs']} packs"
+    _print_positions(title, "env / strategy", rows)
+    typer.echo(f"wrote {out / 'eval.json'} and {out / 'eval.png'}")
+
+
+def _eval_matrix(
+    models: list[Path], envs: list[str], strategies: tuple[str, ...], flags: dict, out: Path
+) -> None:
+    """`eval --matrix`: evaluate, print one row per (model, env / strategy), write the files."""
+    from cod_fast.matrix import evaluate_matrix
+
+    play = {k: v for k, v in flags.items() if k != "env"}
+    try:
+        result = evaluate_matrix(models, envs, strategies, out_dir=out, log=_to_stderr, **play)
+    except bad_model_input() as e:
+        fail(str(e))
+    table = Table(title="cross-domain matrix (± one standard error over packs)")
+    for column in ("model", "env / strategy", "CoD gain ± se", "last position ± se"):
+        table.add_column(column, justify="right" if "±" in column else "left")
+    for row in result["models"]:
+        cells = [c for c in result["cells"] if c["model"] == row["label"]]
+        for i, c in enumerate(cells):
+            table.add_row(
+                Text(row["label"] if i == 0 else ""),
+                f"{c['env']} / {c['strategy']}",
+                f"{c['cod_gain']:+.3f} ± {c['cod_gain_se']:.3f}",
+                f"{c['last_reward']:.3f} ± {c['last_reward_se']:.3f}",
+                end_section=i == len(cells) - 1,
+            )
+    Console().print(table)
+    typer.echo(f"wrote {out / 'matrix.json'} and {out / 'matrix.png'}")
+
+
+def rollout_command(
+    model: ModelOption,
+    env: EnvOption = None,
+    count: Annotated[
+        int, typer.Option("--packs", help="Packs to play (the first eval packs).")
+    ] = 2,
+    tasks: TasksOption = None,
+    size: SizeOption = None,
+    setting: EvalSettingOption = None,
+    max_response_tokens: MaxTokensOption = None,
+    temperature: TemperatureOption = None,
+    top_p: TopPOption = None,
+    seed: SeedOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per pack on stdout, for tools.")
+    ] = False,
+) -> None:
+    """Print whole packs as a model plays them: each task's context, actions and observations,
+    the hint blocks it writes and reads on the next task, and the rewards (CoD protocol; the
+    same eval packs and settings as `cod-fast eval`)."""
+    import json
+
+    from cod_fast.envs import make_env
+    from cod_fast.envs.packs import make_packs, pack_seeds
+    from cod_fast.rollout.driver import RolloutDriver
+    from cod_fast.transcript import print_rollout, rollout_record
+
+    _check_packs(count)
+    o, sampler, chat = _model_play(model, _play_flags(locals()))
+    environment = make_env(o["env"], o["setting"], o["size"])
+    played = make_packs(pack_seeds("eval", count), o["tasks"])
+    rollouts = RolloutDriver(environment, sampler, chat, o["settings"]).run(played, group_size=1)
+    console = Console()
+    for rollout in rollouts:
+        record = rollout_record(rollout, chat.tokenizer)
+        if as_json:
+            typer.echo(json.dumps(record))
+        else:
+            print_rollout(record, console)
