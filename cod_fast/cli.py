@@ -6,6 +6,7 @@ Heavy imports (torch, the kernel dispatcher) happen inside the commands that nee
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import importlib.util
 import platform
@@ -293,6 +294,9 @@ def distill(
         total = job.config.train.warm_start_steps + job.config.train.steps
         if done is None or done.step < total:
             _checked_run(job.config, resume=done is not None, console=console, last=False)
+            # The finished run's model, optimizer and FSDP state hold reference cycles: free
+            # them here, at the same point on every rank, not at a random moment of the next.
+            gc.collect()
         if ctx.is_main:
             try:
                 export_model(job.config.runtime.run_dir, job.folder)
