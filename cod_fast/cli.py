@@ -22,8 +22,9 @@ from rich.text import Text
 from cod_fast.cli_bench import SetOption, bench_app
 from cod_fast.cli_common import bad_model_input, fail
 from cod_fast.cli_play import envs_app, eval_command, rollout_command
-from cod_fast.config import DEFAULT_PRESET, PRESETS, Config, ConfigError
+from cod_fast.config import Config, ConfigError
 from cod_fast.config_io import dump_yaml, load_config
+from cod_fast.presets import DEFAULT_PRESET, PRESETS
 
 app = typer.Typer(
     name="cod-fast",

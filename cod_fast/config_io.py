@@ -15,15 +15,8 @@ from typing import Any
 
 import yaml
 
-from cod_fast.config import (
-    DEFAULT_PRESET,
-    PRESETS,
-    Config,
-    ConfigError,
-    clipped,
-    shown,
-    type_hints,
-)
+from cod_fast.config import Config, ConfigError, clipped, shown, type_hints
+from cod_fast.presets import DEFAULT_PRESET, PRESETS
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

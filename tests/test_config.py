@@ -13,8 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cod_fast.config import (
-    DEFAULT_PRESET,
-    PRESETS,
     AlgoConfig,
     Config,
     ConfigError,
@@ -25,6 +23,7 @@ from cod_fast.config import (
     TrainConfig,
 )
 from cod_fast.config_io import apply_overrides, dump_yaml, from_dict, load_config, to_dict
+from cod_fast.presets import DEFAULT_PRESET, PRESETS
 
 
 def _error(overrides: list[str]) -> str:

@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 
-from cod_fast.config import PRESETS, ConfigError
+from cod_fast.config import ConfigError
 from cod_fast.config_io import apply_overrides
 from cod_fast.envs import make_env
 from cod_fast.envs.base import Agent, Task
 from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.presets import PRESETS
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings
 from cod_fast.tokenizer import CHATML, char_tokenizer
