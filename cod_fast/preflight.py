@@ -42,7 +42,7 @@ from cod_fast.rollout.choice import choose_sampler
 from cod_fast.rollout.driver import DriverSettings
 from cod_fast.rollout.hints import context_line
 from cod_fast.rollout.prompts import PROMPT_STYLES
-from cod_fast.rollout.vllm_sampler import head_dim
+from cod_fast.rollout.vllm_sampler import head_dim, kv_bytes_per_token, kv_heads
 from cod_fast.warmstart import run_tokenizer
 
 
@@ -199,17 +199,16 @@ def _check_sampler_memory(cfg: Config, model, world_size: int) -> None:
     ranks = f" on each of {world_size} ranks" if world_size > 1 else ""
     tokens = 1 + rollout.max_response_tokens
     dtype = resolve_dtype(cfg.model, device)
-    kv_heads = getattr(model, "num_key_value_heads", None) or model.num_attention_heads
-    per_token = model.num_hidden_layers * 2 * kv_heads * head_dim(model) * dtype.itemsize
-    need, memory = rows * tokens * per_token, device_memory(device)
+    need, memory = rows * tokens * kv_bytes_per_token(model, dtype), device_memory(device)
     if need > memory:
         fewer = key if key == "rollout.eval_packs" else f"{key} or rollout.group_size"
         raise ConfigError(
             key,
             f"{what}: {rows} sequences in one sampler batch{ranks}, each of at least {tokens} "
             f"tokens (a prompt and rollout.max_response_tokens), need {gib(need)} of KV cache "
-            f"in the torch sampler ({model.num_hidden_layers} layers x 2 x {kv_heads} kv heads "
-            f"x {head_dim(model)} x {dtype.itemsize} bytes a token), more than all {gib(memory)} "
+            f"in the torch sampler ({model.num_hidden_layers} layers x 2 x {kv_heads(model)} kv "
+            f"heads x {head_dim(model)} x {dtype.itemsize} bytes a token), more than all "
+            f"{gib(memory)} "
             f"of the {device.type} here; lower {fewer} or rollout.max_response_tokens",
         )
 

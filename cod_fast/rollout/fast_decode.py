@@ -46,7 +46,7 @@ from cod_fast.ops.layers import (
     rms_norm,
     swiglu,
 )
-from cod_fast.rollout.vllm_sampler import head_dim
+from cod_fast.rollout.vllm_sampler import head_dim, kv_heads
 
 _LINEAR_NAMES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"
@@ -88,7 +88,7 @@ class FastDecoder:
             for lay in inner.layers
         ]
         self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.kv_heads = kv_heads(config)
         self.head_dim = head_dim(config)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []

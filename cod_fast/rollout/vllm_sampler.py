@@ -144,6 +144,16 @@ def head_dim(config: Any) -> int:
     return int(explicit or config.hidden_size // config.num_attention_heads)
 
 
+def kv_heads(config: Any) -> int:
+    """The key-value heads of a Hugging Face model config (all heads without grouping)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """The KV cache one token takes in `dtype`: keys and values of every layer."""
+    return 2 * config.num_hidden_layers * kv_heads(config) * head_dim(config) * dtype.itemsize
+
+
 def cpu_head_dim_problem(size: int) -> str | None:
     """Why the CPU engine cannot run a model whose attention heads have `size` (an unsupported
     head size), or None."""
@@ -167,9 +177,7 @@ def _cpu_memory_available() -> int:
 def cpu_kv_cache_bytes(config: Any, max_model_len: int, dtype: torch.dtype, available: int) -> int:
     """A KV-cache reservation for the CPU engine that fits the machine: CPU_FULL_SEQUENCES
     sequences of max_model_len tokens, at most a quarter of `available`, at least one sequence."""
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim(config) * dtype.itemsize
-    one_sequence = per_token * max_model_len
+    one_sequence = kv_bytes_per_token(config, dtype) * max_model_len
     if one_sequence > available // 2:
         raise ValueError(
             f"one sequence of max_model_len={max_model_len} tokens needs "
