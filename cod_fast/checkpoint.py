@@ -166,6 +166,15 @@ def save_checkpoint(
     return final
 
 
+def complete_checkpoints(run_dir: str | Path) -> list[str]:
+    """The names of the run's complete checkpoint folders (a meta.json each), oldest first,
+    whatever `latest` says."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(
+        p.name for p in root.glob("step-*") if _NAME.fullmatch(p.name) and (p / META).is_file()
+    )
+
+
 def _folders(root: Path) -> list[Path]:
     """The run's checkpoint folders, oldest first; links are not the run's (module docstring)."""
     found = (p for p in root.glob("step-*") if _NAME.fullmatch(p.name))

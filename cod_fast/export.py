@@ -25,7 +25,13 @@ from typing import Literal
 
 import torch
 
-from cod_fast.checkpoint import Checkpoint, checkpoint_at, latest_checkpoint, read_model_state
+from cod_fast.checkpoint import (
+    Checkpoint,
+    checkpoint_at,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_model_state,
+)
 from cod_fast.config import Config
 from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
@@ -49,7 +55,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
     if step is not None:
         ckpt = checkpoint_at(run_dir, step)
         if ckpt is None:
-            kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+            kept = complete_checkpoints(run_dir)
             raise FileNotFoundError(f"{run_dir} has no checkpoint of step {step}; it keeps {kept}")
         return ckpt
     latest = latest_checkpoint(run_dir)

@@ -28,12 +28,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cod_fast.checkpoint import LATEST, META, Checkpoint, latest_checkpoint
+from cod_fast.checkpoint import LATEST, Checkpoint, complete_checkpoints, latest_checkpoint
 from cod_fast.config import Config, shown
 from cod_fast.config_io import load_config
 
 LOCK = ".lock"
-CHECKPOINTS = "checkpoints"
 
 RESUMABLE = (
     "runtime.",
@@ -152,7 +151,7 @@ def check_resume(cfg: Config, resume: bool) -> Checkpoint | None:
     0), or RunDirError for a folder that does not fit `resume` (module docstring)."""
     run = Path(cfg.runtime.run_dir)
     ckpt = latest_checkpoint(run)
-    folders = sorted(p.name for p in run.glob(f"{CHECKPOINTS}/step-*") if (p / META).is_file())
+    folders = complete_checkpoints(run)
     if not resume:
         if ckpt is not None or folders:
             newest = f"step {ckpt.step}" if ckpt is not None else folders[-1]
@@ -168,7 +167,7 @@ def check_resume(cfg: Config, resume: bool) -> Checkpoint | None:
         return None
     if ckpt is None:
         if folders:
-            latest = run / CHECKPOINTS / LATEST
+            latest = run / "checkpoints" / LATEST
             raise RunDirError(
                 f"{latest} is missing, so --resume cannot tell which checkpoint to continue; the "
                 f"newest complete one is {folders[-1]}: write its name into that file (echo "
