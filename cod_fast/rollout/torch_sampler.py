@@ -312,7 +312,7 @@ class TorchSampler:
         step = 0  # live rows decode in lockstep: each has drawn `step` tokens
         while True:
             logp = processed_logprobs(logits, self.temperature, self.top_p)
-            tok = draw(logp, self._uniforms(len(rows), step, streams, rows))  # [B, 1]
+            tok = draw(logp, self._uniforms(step, streams, rows))  # [B, 1]
             step += 1
             picked = logp.gather(-1, tok)
             keep = []
@@ -342,11 +342,11 @@ class TorchSampler:
             for t, lp, f in zip(tokens, logps, finish, strict=True)
         ]
 
-    def _uniforms(self, count: int, step: int, streams, rows: list[int]) -> torch.Tensor:
-        """[count, 1] float64 uniforms for one decode step: from the generator, or from each
-        live row's key stream."""
+    def _uniforms(self, step: int, streams, rows: list[int]) -> torch.Tensor:
+        """[len(rows), 1] float64 uniforms for one decode step of the live `rows`: from the
+        generator, or from each row's key stream."""
         if streams is None:
-            shape = (count, 1)
+            shape = (len(rows), 1)
             return torch.rand(
                 shape, generator=self.generator, dtype=torch.float64, device=self.device
             )
