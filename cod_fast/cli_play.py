@@ -33,6 +33,7 @@ def _print_positions(title: str, label: str, rows: dict) -> None:
 
 
 EnvSizeOption = Annotated[str, typer.Option("--size", help="full (SPEC sizes) or tiny.")]
+EnvArgument = Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")]
 
 
 def _make_env(name: str, setting: str, size: str):
@@ -60,7 +61,7 @@ def envs_list() -> None:
 
 @envs_app.command("solve")
 def envs_solve(
-    env: Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")],
+    env: EnvArgument,
     packs: Annotated[int, typer.Option(help="Packs to play.")] = 100,
     tasks: Annotated[int, typer.Option(help="Tasks per pack (K).")] = 4,
     setting: SettingOption = "train",
@@ -89,7 +90,7 @@ def envs_solve(
 
 @envs_app.command("play")
 def envs_play(
-    env: Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")],
+    env: EnvArgument,
     tasks: Annotated[int, typer.Option(help="Tasks in the pack.")] = 3,
     seed: Annotated[int, typer.Option(help="Pack number (the same number, the same pack).")] = 0,
     setting: SettingOption = "train",
