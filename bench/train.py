@@ -292,8 +292,9 @@ def logits_eager_step(model, optimizer, microbatches, *, denominator, config, gr
     return total, norm
 
 
-def make_step(contender: str, model, mbs, denominator: float):
-    """(step, optimizer): step() runs one optimizer step and returns (loss, grad norm)."""
+def make_step(contender: str, model, mbs, denominator: float, impl: str | None = None):
+    """(step, optimizer): step() runs one optimizer step and returns (loss, grad norm); `impl`
+    is the fused loss's implementation (None: the device's default)."""
     import torch
 
     from cod_fast.policy import Policy
@@ -302,7 +303,7 @@ def make_step(contender: str, model, mbs, denominator: float):
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     kwargs = dict(denominator=denominator, config=LOSS, grad_clip=GRAD_CLIP)
     if contender == "fused":
-        policy = Policy(model)
+        policy = Policy(model, impl=impl)
 
         def step():
             result = train_step(policy, optimizer, mbs, **kwargs)

@@ -102,6 +102,24 @@ def bench_sampler(
     sampler.main(_bench_argv(options))
 
 
+@bench_app.command("launches")
+def bench_launches(
+    tokens: Annotated[int | None, typer.Option(help="Packed tokens of the step batch.")] = None,
+    prompts: Annotated[int | None, typer.Option(help="Prompts in the decode batch.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for launches.csv/.json.")] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 1 when a target is missed (for CI).")
+    ] = False,
+) -> None:
+    """Count dispatched aten ops, host syncs and host-to-device copies per training step (fused
+    loss vs logits + eager) and per decode step (cod_fast.bench.launches)."""
+    from cod_fast.bench import launches
+
+    options = {"tokens": tokens, "prompts": prompts, "device": device, "out": out}
+    launches.main(_bench_argv(options) + ["--check"] * check)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     sizes: Annotated[

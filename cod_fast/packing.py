@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cod_fast.ops.linear_loss import TokenPairs
 from cod_fast.prefix_tree import Tree, build_tree, common_prefix, flat_tree
 from cod_fast.records import Episode
 
@@ -169,6 +170,18 @@ class MicroBatch:
     """Shared-prefix layout only: [S+1] int32, each node's block of `kv_index`."""
     max_seqlen_k: int = 0
     """Shared-prefix layout only: the longest block of `kv_index`."""
+    pair_rows: torch.Tensor | None = None
+    """Shared-prefix layout, when some (trainable_idx, target) pairs repeat (members that wrote
+    the same response): [P] the distinct pairs' rows, ascending (see ops.linear_loss.TokenPairs);
+    None when every pair is distinct."""
+    pair_targets: torch.Tensor | None = None
+    """[P] the distinct pairs' targets, beside `pair_rows`."""
+    pair_of_token: torch.Tensor | None = None
+    """[N] each trainable token's index into the distinct pairs, beside `pair_rows`."""
+    max_target: int | None = None
+    """The largest target id (-1 when there is none), found while packing so that the loss need
+    not read the targets back from the device to check them against the vocabulary; None:
+    unknown."""
 
     @property
     def num_tokens(self) -> int:
@@ -182,14 +195,43 @@ class MicroBatch:
     def num_segments(self) -> int:
         return len(self.segment_keys)
 
+    @property
+    def pairs(self) -> TokenPairs | None:
+        """The distinct (row, target) pairs, when some repeat."""
+        if self.pair_rows is None:
+            return None
+        return TokenPairs(self.pair_rows, self.pair_targets, self.pair_of_token)  # type: ignore[arg-type]
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
-        """A copy with every tensor on `device`."""
-        return MicroBatch(
-            **{
-                k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-                for k, v in vars(self).items()
-            }
-        )
+        """A copy with every tensor on `device`: from the host, one copy per dtype (the tensors
+        of a dtype are packed into one buffer, then split into views on the device), from
+        pinned memory and asynchronous for CUDA."""
+        device = torch.device(device)
+        values = dict(vars(self))
+        host = {k: v for k, v in values.items() if _on_host(v, device)}
+        for dtype in {v.dtype for v in host.values()}:
+            names = [k for k, v in host.items() if v.dtype == dtype]
+            values.update(_copy_together({k: host[k] for k in names}, device, non_blocking))
+        for k, v in values.items():  # tensors on another device than the host's
+            if isinstance(v, torch.Tensor) and k not in host:
+                values[k] = v.to(device, non_blocking=non_blocking)
+        return MicroBatch(**values)
+
+
+def _on_host(value, device: torch.device) -> bool:
+    """A host tensor that must move to `device`."""
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu" and device.type != "cpu"
+
+
+def _copy_together(
+    tensors: dict[str, torch.Tensor], device: torch.device, non_blocking: bool
+) -> dict[str, torch.Tensor]:
+    """Host tensors of one dtype moved to `device` in one copy."""
+    flat = torch.cat([t.reshape(-1) for t in tensors.values()])
+    if device.type == "cuda":  # a pageable copy would block the host until it is done
+        flat, non_blocking = flat.pin_memory(), True
+    parts = flat.to(device, non_blocking=non_blocking).split([t.numel() for t in tensors.values()])
+    return {k: part.view(t.shape) for (k, t), part in zip(tensors.items(), parts, strict=True)}
 
 
 def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> MicroBatch:
@@ -240,6 +282,11 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
     def f32(x: list[float]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.float32)
 
+    repeated = None
+    if share_prefix:
+        repeated = TokenPairs.from_lists(trainable, targets)
+        if repeated.rows.numel() == len(targets):
+            repeated = None  # every pair distinct
     return MicroBatch(
         input_ids=i64(tokens),
         position_ids=i64(positions),
@@ -254,6 +301,10 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
         segment_keys=keys,
         teacher_logp=f32(teacher) if segments and all(scored) else None,
         **_key_blocks(tree, offsets),
+        pair_rows=None if repeated is None else repeated.rows,
+        pair_targets=None if repeated is None else repeated.targets,
+        pair_of_token=None if repeated is None else repeated.repeat,
+        max_target=max(targets, default=-1),
     )
 
 

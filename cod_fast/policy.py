@@ -45,18 +45,29 @@ class Policy(torch.nn.Module):
         (old-policy recompute, the reference model)."""
         states = packed_hidden_states(self.model, mb)
         weight = lm_head_weight(self.model)
+        _check_vocabulary(mb, weight.shape[0])
+        pairs = mb.pairs
         if mode == "logprobs":  # no gradient: scoring a repeated pair once only saves work
-            hidden, targets, repeat = distinct_pairs(
-                states, weight, mb.targets, mb.trainable_idx, share=1.0
-            )
+            hidden, targets, repeat = states[mb.trainable_idx], mb.targets, None
+            if pairs is not None:
+                hidden, targets, repeat = distinct_pairs(
+                    states, weight, mb.targets, mb.trainable_idx, share=1.0, pairs=pairs
+                )
             logp = linear_logprobs(
-                hidden, weight, targets, temperature=config.temperature, impl=self.impl
+                hidden,
+                weight,
+                targets,
+                temperature=config.temperature,
+                impl=self.impl,
+                check_targets=mb.max_target is None,
             )
             return logp if repeat is None else logp[repeat]
-        # The loss gathers the trainable rows itself, scoring rows that several members share
-        # (equal responses in a prefix tree) once per target.
+        # Rows that several members share (equal responses in a prefix tree) are scored once
+        # per target by the loss, which gathers them itself; everything the loss would otherwise
+        # read back from the device (segments, target range, repeated pairs) the micro-batch
+        # knows from packing, so the step never waits for the device here.
         return linear_policy_loss(
-            states,
+            states if pairs is not None else states[mb.trainable_idx],
             weight,
             mb.targets,
             mb.advantages,
@@ -68,5 +79,17 @@ class Policy(torch.nn.Module):
             config=config,
             denominator=denominator,
             impl=self.impl,
-            rows=mb.trainable_idx,
+            rows=mb.trainable_idx if pairs is not None else None,
+            pairs=pairs,
+            num_segments=mb.num_segments,
+            check_targets=mb.max_target is None,
+        )
+
+
+def _check_vocabulary(mb: MicroBatch, vocab: int) -> None:
+    """A micro-batch's targets fit the LM head (from its packed `max_target`, on the host)."""
+    if mb.max_target is not None and mb.max_target >= vocab:
+        raise ValueError(
+            f"target id {mb.max_target} is outside the LM head's vocabulary of {vocab}: the "
+            "tokenizer and the model do not match (use the model's own tokenizer)"
         )

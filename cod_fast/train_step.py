@@ -61,34 +61,47 @@ def runnable(mb: MicroBatch, config: LossConfig | None = None) -> MicroBatch:
     )
 
 
-def _accumulate(sums: dict[str, torch.Tensor], metrics: dict, n: int) -> None:
-    """Add one micro-batch's metrics, on the device: token-weighted sums, and running `*_min` /
-    `*_max`. An empty micro-batch adds every key too (neutrally), so all ranks reduce alike."""
-    for name, value in metrics.items():
-        value = value.detach().double()
-        if name.endswith("_min"):
-            value = value if n else torch.full_like(value, math.inf)
-            sums[name] = torch.minimum(sums[name], value) if name in sums else value
-        elif name.endswith("_max"):
-            value = value if n else torch.full_like(value, -math.inf)
-            sums[name] = torch.maximum(sums[name], value) if name in sums else value
-        else:
-            sums[name] = sums.get(name, 0.0) + value * n
+class _MetricSums:
+    """The step's loss metrics, on the device, three vectors in all: token-weighted sums, and
+    running minima of `*_min` and maxima of `*_max`. A micro-batch's metrics are stacked into
+    one tensor and folded in with three ops, whatever their number; an empty micro-batch adds
+    its keys too (neutrally), so all ranks reduce alike."""
+
+    def __init__(self, device: torch.device):
+        self.names: list[str] = []
+        self.sizes = [0, 0, 0]
+        # sums, minima, maxima
+        self.groups = [torch.zeros(0, dtype=torch.float64, device=device) for _ in range(3)]
+
+    def add(self, metrics: dict[str, torch.Tensor], n: int) -> None:
+        if not metrics:
+            return
+        if not self.names:  # the first micro-batch fixes the order: sums, then _min, then _max
+            kinds = [[k for k in metrics if not k.endswith(("_min", "_max"))]]
+            kinds += [[k for k in metrics if k.endswith(suffix)] for suffix in ("_min", "_max")]
+            self.names = [k for kind in kinds for k in kind]
+            self.sizes = [len(kind) for kind in kinds]
+            device = self.groups[0].device
+            self.groups = [
+                torch.full((size,), start, dtype=torch.float64, device=device)
+                for size, start in zip(self.sizes, (0.0, math.inf, -math.inf), strict=True)
+            ]
+        values = torch.stack([metrics[k].detach() for k in self.names]).double()
+        sums, minima, maxima = values.split(self.sizes)
+        self.groups[0].add_(sums, alpha=n)
+        if n:  # an empty micro-batch's minima and maxima are no values at all
+            torch.minimum(self.groups[1], minima, out=self.groups[1])
+            torch.maximum(self.groups[2], maxima, out=self.groups[2])
 
 
 def _read_totals(
-    tokens: int, loss: torch.Tensor, norm: torch.Tensor, sums: dict[str, torch.Tensor]
+    tokens: int, loss: torch.Tensor, norm: torch.Tensor, sums: _MetricSums
 ) -> tuple[int, float, float, dict[str, float]]:
     """(tokens, loss, gradient norm, metrics) summed (min, max) over every rank, read to the
     host at once: the step's one wait for the device. The reductions run on the device, as
     NCCL needs."""
-    names = sorted(sums)
-    kinds = [[n for n in names if not n.endswith(("_min", "_max"))]]
-    kinds += [[n for n in names if n.endswith(suffix)] for suffix in ("_min", "_max")]
-    parts = [torch.stack([loss.new_tensor(float(tokens)), loss, *(sums[n] for n in kinds[0])])]
-    parts += [
-        torch.stack([sums[n] for n in group]) if group else loss.new_zeros(0) for group in kinds[1:]
-    ]
+    head = torch.full((1,), float(tokens), dtype=torch.float64, device=loss.device)
+    parts = [torch.cat([head, loss.reshape(1), *sums.groups[:1]]), *sums.groups[1:]]
     if dist.is_available() and dist.is_initialized():
         ops = (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)
         for part, op in zip(parts, ops, strict=True):
@@ -96,7 +109,7 @@ def _read_totals(
                 dist.all_reduce(part, op=op)
     values = torch.cat([*parts, norm.detach().double().reshape(1)]).tolist()
     tokens_sum, loss_sum = values[:2]
-    metrics = dict(zip([n for group in kinds for n in group], values[2:-1], strict=True))
+    metrics = dict(zip(sums.names, values[2:-1], strict=True))
     return int(tokens_sum), loss_sum, values[-1], metrics
 
 
@@ -115,14 +128,14 @@ def train_step(
     device = next(policy.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
-    sums: dict[str, torch.Tensor] = {}
+    sums = _MetricSums(device)
     for mb in microbatches:
         mb = runnable(mb, config).to(device)
         out = policy(mb, config=config, denominator=denominator)
         out.loss.backward()
         total += out.loss.detach().double()
         tokens += mb.num_trainable
-        _accumulate(sums, out.metrics, mb.num_trainable)
+        sums.add(out.metrics, mb.num_trainable)
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
     if isinstance(norm, DTensor):  # FSDP2: the norm over every shard
         norm = norm.full_tensor()

@@ -11,10 +11,17 @@ micro-batch, each distinct (row, target) pair is scored once: its log-prob and e
 the chunked log-prob kernels and are repeated per token, and autograd sums the tokens' gradients
 back onto the pair. That path streams the LM head four times per chunk (logits, then in the
 backward logits again, dh, dW) where the fused driver streams it three times, so it is taken when
-the distinct pairs are at most DEDUPE_SHARE of the tokens.
+the distinct pairs are at most DEDUPE_SHARE of the tokens. Finding the distinct pairs on the
+device (torch.unique) waits for it; a caller that knows them (cod_fast.packing finds them on the
+host while it packs) passes them as `pairs`.
+
+Host syncs. With `num_segments`, `check_targets=False` and, for repeated rows, `pairs`, the loss
+and its backward never wait for the device (tests/test_host_syncs.py counts them).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +34,38 @@ from cod_fast.ops.policy_loss import policy_loss_from_logp
 
 DEDUPE_SHARE = 0.75
 """Score distinct (row, target) pairs once when they are at most this share of the tokens."""
+
+
+@dataclass(frozen=True)
+class TokenPairs:
+    """The distinct (row, target) pairs of a micro-batch's tokens, ascending by (row, target),
+    and each token's pair."""
+
+    rows: torch.Tensor
+    """[P] int64, the hidden row of each distinct pair."""
+    targets: torch.Tensor
+    """[P] int64, the target of each distinct pair."""
+    repeat: torch.Tensor
+    """[N] int64, each token's index into the pairs."""
+
+    @classmethod
+    def from_lists(cls, rows: list[int], targets: list[int]) -> TokenPairs:
+        """Found on the host, as a packer can while it builds the micro-batch."""
+        tokens = list(zip(rows, targets, strict=True))
+        distinct = sorted(set(tokens))
+        where = {pair: i for i, pair in enumerate(distinct)}
+        return cls(
+            rows=torch.tensor([r for r, _ in distinct], dtype=torch.int64),
+            targets=torch.tensor([t for _, t in distinct], dtype=torch.int64),
+            repeat=torch.tensor([where[pair] for pair in tokens], dtype=torch.int64),
+        )
+
+    @classmethod
+    def from_tensors(cls, rows: torch.Tensor, targets: torch.Tensor, vocab: int) -> TokenPairs:
+        """Found on the device (torch.unique: a host sync)."""
+        pairs = rows.long() * vocab + targets.long()
+        distinct, repeat = torch.unique(pairs, return_inverse=True)
+        return cls(rows=distinct // vocab, targets=distinct % vocab, repeat=repeat)
 
 
 def linear_policy_loss(
@@ -44,6 +83,9 @@ def linear_policy_loss(
     denominator: float | None = None,
     impl: str | None = None,
     rows: torch.Tensor | None = None,
+    pairs: TokenPairs | None = None,
+    num_segments: int | None = None,
+    check_targets: bool = True,
 ) -> PolicyLossOutput:
     """The policy loss of SPEC.md section 4 straight from hidden states and the LM head.
 
@@ -54,12 +96,19 @@ def linear_policy_loss(
     (see `aggregation_denominator`); None uses this call's own tokens and segments. With `rows`
     [N], hidden holds every row of a packed micro-batch and token t reads hidden[rows[t]]; equal
     (row, target) pairs are then scored once (see the module docstring): the same loss,
-    log-probs and gradients.
+    log-probs and gradients; `pairs` are those pairs if the caller knows them (else they are
+    found here, a host sync).
+
+    `num_segments`: segment_ids are compact, 0..num_segments-1 (see `LossInputs`).
+    `check_targets=False`: the caller has made sure every target lies in [0, V). Both spare a
+    host sync (see the module docstring).
     """
     num_tokens, repeat = targets.shape[0], None
     if rows is not None:
-        hidden, targets, repeat = distinct_pairs(hidden, weight, targets, rows, DEDUPE_SHARE)
-    check_logprob_inputs(hidden, weight, targets, config.temperature)
+        hidden, targets, repeat = distinct_pairs(
+            hidden, weight, targets, rows, DEDUPE_SHARE, pairs=pairs
+        )
+    check_logprob_inputs(hidden, weight, targets, config.temperature, check_targets)
     inputs = LossInputs(
         advantages,
         segment_ids,
@@ -68,6 +117,7 @@ def linear_policy_loss(
         ref_logp=ref_logp,
         teacher_logp=teacher_logp,
         denominator=denominator,
+        num_segments=num_segments,
     )
     inputs.check(num_tokens)
     dtype = compute_dtype(hidden, weight)
@@ -78,7 +128,13 @@ def linear_policy_loss(
             kernels, hidden, weight, targets.long(), inputs, config=config
         )
     logp, entropy = linear_logprobs(
-        hidden, weight, targets, temperature=config.temperature, return_entropy=True, impl=name
+        hidden,
+        weight,
+        targets,
+        temperature=config.temperature,
+        return_entropy=True,
+        impl=name,
+        check_targets=False,  # checked above
     )
     if repeat is not None:
         logp, entropy = logp[repeat], entropy[repeat]
@@ -86,18 +142,17 @@ def linear_policy_loss(
     return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
 
 
-def distinct_pairs(hidden, weight, targets, rows, share: float):
+def distinct_pairs(hidden, weight, targets, rows, share: float, pairs: TokenPairs | None = None):
     """(hidden rows, targets, repeat) to score for tokens that read hidden[rows] with `targets`:
-    the distinct (row, target) pairs and, for each token, its pair, when they are at most
-    `share` of the tokens; else the tokens' own rows and targets and None."""
+    the distinct (row, target) pairs (`pairs`, else found here) and, for each token, its pair,
+    when they are at most `share` of the tokens; else the tokens' own rows and targets and None."""
     if rows.dim() != 1 or rows.shape != targets.shape:
         raise ValueError(
             f"rows must be [N] like targets, got {tuple(rows.shape)} and {tuple(targets.shape)}"
         )
     rows = rows.to(hidden.device).long()
-    pairs = rows * weight.shape[0] + targets.to(hidden.device).long()
-    distinct, repeat = torch.unique(pairs, return_inverse=True)
-    if distinct.numel() > share * pairs.numel():
+    if pairs is None:
+        pairs = TokenPairs.from_tensors(rows, targets.to(hidden.device), weight.shape[0])
+    if pairs.rows.numel() > share * rows.numel():
         return hidden[rows], targets, None
-    vocab = weight.shape[0]
-    return hidden[distinct // vocab], (distinct % vocab).to(targets.dtype), repeat
+    return hidden[pairs.rows], pairs.targets.to(targets.dtype), pairs.repeat

@@ -20,9 +20,14 @@ from cod_fast.ops.dispatch import resolve_impl, row_kernels
 
 
 def check_logprob_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    check_targets: bool = True,
 ) -> None:
-    """Shape, dtype and range checks shared by every implementation."""
+    """Shape, dtype and range checks shared by every implementation; the targets' range (which
+    reads them on the host: a device sync) unless `check_targets` is False."""
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(
             f"expected hidden [N, H], weight [V, H], targets [N]; got "
@@ -35,7 +40,11 @@ def check_logprob_inputs(
         )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets must be int32 or int64 token ids, got {targets.dtype}")
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0]):
+    if (
+        check_targets
+        and targets.numel()
+        and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0])
+    ):
         raise ValueError(
             f"target ids must lie in [0, {weight.shape[0]}) (the LM head's "
             f"vocabulary); got min {int(targets.min())}, max {int(targets.max())}"
@@ -53,15 +62,19 @@ def linear_logprobs(
     return_entropy: bool = False,
     impl: str | None = None,
     chunk_size: int | None = None,
+    check_targets: bool = True,
 ):
     """Log-prob of each target token under softmax(hidden @ weight.T / temperature).
 
     hidden [N, H] (the trainable positions only), weight [V, H], targets [N] -> float32 logp [N]
     (float64 when an operand is float64), and entropy [N] when ``return_entropy``. Differentiable
     in hidden and weight; the [N, V] logits are never materialised. ``chunk_size`` overrides the
-    number of rows per chunk (tests use it to exercise the chunk loop).
+    number of rows per chunk (tests use it to exercise the chunk loop). ``check_targets=False``
+    skips the check that every target lies in [0, V), for a caller that has made sure of it
+    (cod_fast.packing's micro-batches carry their largest target): the check reads the targets
+    on the host, a device sync.
     """
-    check_logprob_inputs(hidden, weight, targets, temperature)
+    check_logprob_inputs(hidden, weight, targets, temperature, check_targets)
     dtype = compute_dtype(hidden, weight)
     name, _ = resolve_impl(impl, hidden.device, dtype)
     if name == "triton" and not (

@@ -51,6 +51,10 @@ class LossInputs:
     teacher_logp: torch.Tensor | None = None
     denominator: float | None = None
     """D of the whole optimizer step (see `aggregation_denominator`); None: this call's own."""
+    num_segments: int | None = None
+    """The segment count when `segment_ids` are compact, 0..num_segments-1 (as cod_fast.packing
+    writes them): segments are then counted on the device with no host sync. None: any ids,
+    counted with torch.unique (which waits for the device)."""
 
     def check(self, num_targets: int) -> None:
         """Every per-token tensor has one value per target."""
@@ -126,9 +130,19 @@ class TokenWeights:
     """What the ratio is taken against: old, else the sampler's (bypass), else None (on-policy)."""
 
 
+def segment_index(inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(compact segment index [N], tokens per segment [S]) of the tokens."""
+    if inputs.num_segments is None:
+        _, seg, counts = torch.unique(inputs.segment_ids, return_inverse=True, return_counts=True)
+        return seg, counts
+    seg = inputs.segment_ids.long()
+    counts = torch.zeros(inputs.num_segments, dtype=torch.int64, device=seg.device)
+    return seg, counts.index_add_(0, seg, torch.ones_like(seg))
+
+
 def token_weights(inputs: LossInputs, config: LossConfig, dtype: torch.dtype) -> TokenWeights:
     """Segments, aggregation weights and rollout correction (a no-op in bypass, old = roll)."""
-    _, seg, counts = torch.unique(inputs.segment_ids, return_inverse=True, return_counts=True)
+    seg, counts = segment_index(inputs)
     n = inputs.advantages.shape[0]
     denominator = inputs.denominator
     if denominator is None:
