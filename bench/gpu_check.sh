@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# GPU check of cod-fast: the Triton/policy-loss tests, the kernel and train-step benchmarks, a
-# few whole trainer steps in mixed precision (float32 masters, bf16 compute) and one on-policy
-# distillation step with a teacher prepared for the GPU, on an NVIDIA GPU.
+# GPU check of cod-fast, in the order a first look at a GPU needs: a profile of the trainer
+# benchmark's step (fused and logits+eager), the kernel benchmark's h100 and cod-packed cases
+# (today's chunk rule, then the Triton contender with the previous 512 MiB chunks), the
+# train-step benchmark, the torch sampler's decode steps at a Qwen3-0.6B shape (compacting,
+# static shapes, CUDA graphs), a few whole trainer steps in mixed precision (float32 masters,
+# bf16 compute; their sampling time per step is the sampler's real workload), one on-policy
+# distillation step if time allows, and the GPU tests with what time is left.
 #
 #   bash bench/gpu_check.sh            # from the repository root
 #
@@ -9,14 +13,16 @@
 # tests need (pyyaml, rich, typer, pytest, hypothesis, ...) may wait in .whl/; they are installed
 # offline into /tmp/site. Nothing is built: the C++ extension stays absent (impl `cpp` reports
 # itself unavailable). Everything lands in one folder, $OUT or else gpu_check_results/: env.txt,
-# pytest.log, bench_<case>.log, kernels.csv, kernels_<case>.json, logs/ of failed benchmark
-# workers, train_run/ and train_run.log (the trainer steps), teacher/, opd_run/ and opd_run.log
-# (the distillation step) and gpu_check.log (this script's
-# whole output). Every step runs under `timeout`, so the whole check stays under 9 minutes
-# (GPU_CHECK_SECONDS shortens it); the summary line comes last (then GPU_CHECK_BUNDLE's archive,
-# if set). GPU_CHECK_CASES lists the kernel benchmark's cases as case:seconds. GPU_CHECK_BENCH_ARGS
-# adds arguments to every benchmark call (e.g. "--scale 0.05 --impls eager,torch" for a dry run
-# on a CPU-only machine).
+# profile.csv/.json with profile_<contender>.txt and .json.gz (Chrome traces), bench_<case>.log,
+# kernels.csv, kernels_<case>.json, old_chunks/ (the same for the previous chunk budget),
+# train.csv, decode.csv/.json, logs/ of failed benchmark workers, train_run/ and train_run.log
+# (the trainer steps), teacher/, opd_run/ and opd_run.log (the distillation step), pytest.log and
+# gpu_check.log (this script's whole output). Every step runs under `timeout` and is skipped
+# when too little time is left, so the whole check stays under 8 minutes (GPU_CHECK_SECONDS,
+# default 470, shortens it); the summary line comes last (then GPU_CHECK_BUNDLE's archive, if
+# set). GPU_CHECK_CASES lists the kernel benchmark's cases as case:seconds (case@old: the
+# Triton contender with 512 MiB chunks). GPU_CHECK_BENCH_ARGS adds arguments to every kernel
+# benchmark call (e.g. "--scale 0.05 --impls eager,torch" for a dry run on a CPU-only machine).
 set -uo pipefail
 
 REPO=$(pwd)
@@ -35,11 +41,14 @@ if ! command -v python >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1; th
     export PATH=/tmp/cod_fast_pybin:$PATH
 fi
 unset TRITON_INTERPRET  # the GPU runs the compiled kernels, not the interpreter
-# Every step's limit is cut to what is left of GPU_CHECK_SECONDS (default 520, ~8.7 minutes).
-DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-520}))
+# Every step's limit is cut to what is left of GPU_CHECK_SECONDS (default 470, under 8 minutes).
+DEADLINE=$((SECONDS + ${GPU_CHECK_SECONDS:-470}))
 limit() {                    # limit WANTED: WANTED seconds, or what is left if that is less
     local left=$((DEADLINE - SECONDS))
     echo $((left < $1 ? (left > 1 ? left : 1) : $1))
+}
+have() {                     # have NEEDED: whether NEEDED seconds are still left
+    [ $((DEADLINE - SECONDS)) -ge "$1" ]
 }
 
 # 0. Offline wheels (pure Python only: --no-deps, no index).
@@ -104,68 +113,76 @@ IMPORT_RC=$?
 cat "$OUT/env.txt"
 GPU=$(python -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" 2>/dev/null || echo "torch missing")
 
-# 2. Tests (only the files present; pytest comes from .whl/ when the machine lacks it).
-TESTS=()
-for t in tests/test_triton_kernels.py tests/test_policy_loss.py tests/test_attention.py \
-    tests/test_torch_sampler.py tests/test_fast_decode.py tests/test_lean.py; do
-    [ -f "$t" ] && TESTS+=("$t")
-done
-if [ "$IMPORT_RC" -ne 0 ]; then
-    PYTEST="not run (imports failed, see env.txt)"
-elif ! python -c "import pytest" 2>/dev/null; then
-    PYTEST="not run (pytest not installed; put its wheels in .whl/)"
-elif [ "${#TESTS[@]}" -eq 0 ]; then
-    PYTEST="not run (no test files)"
-else
-    echo "== pytest ${TESTS[*]}"
-    lim=$(limit 120)
-    timeout --kill-after=5 "$lim" python -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
-        --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
-    rc=${PIPESTATUS[0]}
-    last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$OUT/pytest.log" | tail -n 1)
-    [ "$rc" -eq 124 ] && last="timed out after $lim s; $last"
-    PYTEST="rc=$rc ${last//=/}"
+# 2. Profile of the trainer benchmark's step, fused and logits+eager (bench/profile_step.py):
+# device-busy share, kernels and syncs per step, top ops by device and host time, and a Chrome
+# trace of each (profile_*.json.gz).
+PROFILE="profile not run"
+if [ "$IMPORT_RC" -eq 0 ] && have 20; then
+    lim=$(limit 45)
+    echo "== profile of the train step (limit $lim s)"
+    timeout --kill-after=5 "$lim" python -m cod_fast.bench.profile_step --steps 3 --out "$OUT" \
+        2>&1 | tee "$OUT/bench_profile.log"
+    PROFILE="profile rc=${PIPESTATUS[0]}"
 fi
 
-# 3. Benchmark, one invocation per case so that each case has its own time limit (the CSV gets
-# a row as each contender finishes, so a timeout loses only the unfinished one). h100 first: it
-# is the case only a GPU can run.
+# 3. Kernel benchmark, one invocation per case so that each case has its own time limit (the CSV
+# gets a row as each contender finishes, so a timeout loses only the unfinished one): first with
+# today's settings, then the Triton contender alone with the previous chunk budget (512 MiB,
+# COD_FAST_CHUNK_MIB) into old_chunks/, the old-vs-new comparison of the chunk rule.
 BENCH=()
 CSV_START=$(wc -l <"$OUT/kernels.csv" 2>/dev/null || echo 0)  # rows before this check's
 if [ "$IMPORT_RC" -eq 0 ]; then
-    for spec in ${GPU_CHECK_CASES:-h100:90 dense:35 cod-packed:40 wide-vocab:35}; do
+    for spec in ${GPU_CHECK_CASES:-h100:75 cod-packed:35 h100@old:35 cod-packed@old:20}; do
         case_name=${spec%%:*}
-        lim=$(limit "${spec##*:}")
-        echo "== benchmark $case_name (limit $lim s)"
-        rm -f "$OUT/kernels.json" "$OUT/kernels_$case_name.json"
-        timeout --kill-after=5 "$lim" python -m cod_fast.bench.kernels --cases "$case_name" \
-            --reps 3 --warmup 1 --timeout 100 --out "$OUT" ${GPU_CHECK_BENCH_ARGS:-} 2>&1 |
-            tee "$OUT/bench_$case_name.log"
+        wanted=${spec##*:}
+        have 10 || break
+        lim=$(limit "$wanted")
+        out=$OUT chunk_mib="" extra=()
+        if [ "${case_name#*@}" = old ]; then
+            case_name=${case_name%@old} out=$OUT/old_chunks chunk_mib=512 extra=(--impls triton)
+        fi
+        echo "== benchmark $case_name ${extra[*]} -> $out (limit $lim s)"
+        mkdir -p "$out"
+        rm -f "$out/kernels.json"
+        COD_FAST_CHUNK_MIB=$chunk_mib timeout --kill-after=5 "$lim" python -m cod_fast.bench.kernels \
+            --cases "$case_name" "${extra[@]}" --reps 3 --warmup 1 --timeout 100 --out "$out" \
+            ${GPU_CHECK_BENCH_ARGS:-} 2>&1 | tee "$out/bench_$case_name.log"
         rc=${PIPESTATUS[0]}
-        [ -f "$OUT/kernels.json" ] && mv "$OUT/kernels.json" "$OUT/kernels_$case_name.json"
-        BENCH+=("$case_name:rc=$rc")
+        [ -f "$out/kernels.json" ] && mv "$out/kernels.json" "$out/kernels_$case_name.json"
+        BENCH+=("${spec%%:*}:rc=$rc")
     done
 fi
 
 # 3b. One training step (fused loss vs logits + eager loss) of the 4-layer Qwen3-shaped model,
 # bf16 with torch's varlen attention (bench/train.py).
 TRAIN="train bench not run"
-if [ "$IMPORT_RC" -eq 0 ]; then
-    lim=$(limit 60)
+if [ "$IMPORT_RC" -eq 0 ] && have 20; then
+    lim=$(limit 45)
     echo "== benchmark train step (limit $lim s)"
     timeout --kill-after=5 "$lim" python -m cod_fast.bench.train --sections step --reps 3 \
         --warmup 1 --out "$OUT" 2>&1 | tee "$OUT/bench_train.log"
     TRAIN="train bench rc=${PIPESTATUS[0]}"
 fi
 
-# 3c. Whole trainer steps, sampling included, of a Qwen3-architecture model built from a config
+# 3c. Decode steps of the torch sampler at a Qwen3-0.6B shape, batch 32 and 128: dropping
+# finished rows vs static shapes vs static shapes replayed as CUDA graphs (bench/decode.py).
+DECODE="decode bench not run"
+if [ "$IMPORT_RC" -eq 0 ] && have 20; then
+    lim=$(limit 75)
+    echo "== benchmark decode (limit $lim s)"
+    timeout --kill-after=5 "$lim" python -m cod_fast.bench.decode --batches 32,128 \
+        --new-tokens 32 --reps 2 --out "$OUT" 2>&1 | tee "$OUT/bench_decode.log"
+    DECODE="decode bench rc=${PIPESTATUS[0]}"
+fi
+
+# 3d. Whole trainer steps, sampling included, of a Qwen3-architecture model built from a config
 # (8 layers, H=1024, bf16 compute on float32 masters: FSDP2's mixed precision on a one-rank
 # mesh; torch's varlen attention; the torch sampler: vLLM is not installed on this machine).
 # Evaluation runs keyed and split over the ranks (one here). tokens/s per GPU = training tokens
 # / step wall time / GPUs, from metrics.jsonl; the checkpoint must hold float32 masters.
 STEPS="trainer not run"
-if [ "$IMPORT_RC" -eq 0 ]; then
-    lim=$(limit 80)
+if [ "$IMPORT_RC" -eq 0 ] && have 40; then
+    lim=$(limit 70)
     echo "== trainer steps (limit $lim s)"
     rm -rf "$OUT/train_run"
     timeout --kill-after=5 "$lim" python -m cod_fast.cli train --preset tiny-cpu \
@@ -194,12 +211,12 @@ EOF
     )"
 fi
 
-# 3d. On-policy distillation on the GPU: the trainer steps' model exported as a bf16 teacher,
+# 3e. On-policy distillation on the GPU: the trainer steps' model exported as a bf16 teacher,
 # then one opd step of a student with that run's tokenizer; the teacher is loaded for the GPU
 # (its dtype and attention kernel), whether it stays there or waits in host memory.
 OPD="opd not run"
-if [ "$IMPORT_RC" -eq 0 ] && [ -f "$OUT/train_run/checkpoints/latest" ]; then
-    lim=$(limit 60)
+if [ "$IMPORT_RC" -eq 0 ] && [ -f "$OUT/train_run/checkpoints/latest" ] && have 90; then
+    lim=$(limit 40)
     echo "== distillation step (limit $lim s)"
     rm -rf "$OUT/teacher" "$OUT/opd_run"
     timeout --kill-after=5 "$lim" bash -c '
@@ -222,7 +239,32 @@ EOF
     )"
 fi
 
-# 4. One-line summary from the CSV rows of this check.
+# 4. GPU tests, with what time is left (only the files present; pytest comes from .whl/ when the
+# machine lacks it).
+TESTS=()
+for t in tests/test_triton_kernels.py tests/test_chunking.py tests/test_static_decode.py \
+    tests/test_policy_loss.py tests/test_attention.py tests/test_torch_sampler.py \
+    tests/test_fast_decode.py tests/test_host_syncs.py tests/test_lean.py; do
+    [ -f "$t" ] && TESTS+=("$t")
+done
+if [ "$IMPORT_RC" -ne 0 ]; then
+    PYTEST="not run (imports failed, see env.txt)"
+elif ! python -c "import pytest" 2>/dev/null; then
+    PYTEST="not run (pytest not installed; put its wheels in .whl/)"
+elif [ "${#TESTS[@]}" -eq 0 ]; then
+    PYTEST="not run (no test files)"
+else
+    echo "== pytest ${TESTS[*]}"
+    lim=$(limit 120)
+    timeout --kill-after=5 "$lim" python -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
+        --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+    rc=${PIPESTATUS[0]}
+    last=$(grep -E "(passed|failed|error|skipped|no tests ran)" "$OUT/pytest.log" | tail -n 1)
+    [ "$rc" -eq 124 ] && last="timed out after $lim s; $last"
+    PYTEST="rc=$rc ${last//=/}"
+fi
+
+# 5. One-line summary from the CSV rows of this check.
 SUMMARY=$(
     python - "$OUT/kernels.csv" "$CSV_START" <<'EOF' 2>/dev/null
 import csv
@@ -243,9 +285,9 @@ for r in ok:
 print("; ".join(parts))
 EOF
 )
-echo "gpu_check: ${GPU} | pytest ${PYTEST} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${STEPS} | ${OPD} | ${SUMMARY:-no CSV} | out ${OUT}"
+echo "gpu_check: ${GPU} | ${PROFILE} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${DECODE} | ${STEPS} | ${OPD} | pytest ${PYTEST} | ${SUMMARY:-no CSV} | out ${OUT}"
 
-# 5. Optionally one archive of everything but the trainer's checkpoints (a device that hands back
+# 6. Optionally one archive of everything but the trainer's checkpoints (a device that hands back
 # only a few small files: OUT=/tmp/gc GPU_CHECK_BUNDLE=$OUT_OF_THE_DEVICE/gpu_check.tgz).
 if [ -n "${GPU_CHECK_BUNDLE:-}" ]; then
     tar czf "$GPU_CHECK_BUNDLE" --exclude=checkpoints -C "$(dirname "$OUT")" "$(basename "$OUT")" &&

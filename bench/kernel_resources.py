@@ -26,7 +26,17 @@ from pathlib import Path
 # Per block, sm_80 and sm_90 allow up to 227 KiB of shared memory (opt-in above 48 KiB).
 MAX_SHARED_BYTES = 227 * 1024
 # Scalars every kernel takes as 32-bit integers; other scalars are float32, pointers *fp32.
-INT_ARGS = {"N", "V", "H", "stride_hn", "stride_wv", "stride_z", "split_size", "num_splits"}
+INT_ARGS = {
+    "N",
+    "V",
+    "H",
+    "stride_hn",
+    "stride_wv",
+    "stride_z",
+    "stride_dz",
+    "split_size",
+    "num_splits",
+}
 
 
 @dataclass
@@ -48,8 +58,11 @@ def cases() -> list[KernelCase]:
     from cod_fast.ops.loss_terms import KL_CODES, POLICY_CODES
 
     targets = {"y_ptr": "*i64"}
-    row = {"BLOCK_V": rows.GPU_BLOCK_V}
+    row = {"BLOCK_V": rows.GPU_BLOCK_V, "NARROW_DZ": False}
     row_launch = {"num_warps": rows.GPU_NUM_WARPS}
+    # dz stored as bf16 over the float32 logits, as the driver asks for with bf16 operands.
+    narrow = {"NARROW_DZ": True}
+    narrow_types = {**targets, "dz_ptr": "*bf16"}
     lse = dict(WITH_ENTROPY=True, EVEN_K=True, UPCAST_OPERANDS=False, GROUP_SIZE=8)
     out = [
         KernelCase(
@@ -72,13 +85,26 @@ def cases() -> list[KernelCase]:
             {"WITH_ENTROPY": True, "BLOCK_S": 16, "BLOCK_N": linear_lse.COMBINE_ELEMENTS // 16},
             {},
         ),
-        KernelCase("rows_forward", "rows:_rows_forward_kernel", row, row_launch, targets),
+        KernelCase(
+            "rows_forward",
+            "rows:_rows_forward_kernel",
+            {"BLOCK_V": rows.GPU_BLOCK_V},
+            row_launch,
+            targets,
+        ),
         KernelCase(
             "rows_backward",
             "rows:_rows_backward_kernel",
             {**row, "HAS_LOGP_GRAD": True, "HAS_ENTROPY_GRAD": True},
             row_launch,
             targets,
+        ),
+        KernelCase(
+            "rows_backward_bf16dz",
+            "rows:_rows_backward_kernel",
+            {**row, **narrow, "HAS_LOGP_GRAD": True, "HAS_ENTROPY_GRAD": True},
+            row_launch,
+            narrow_types,
         ),
     ]
     # Every policy and every KL once, with the sequence-level and on-policy switches flipped.
@@ -105,6 +131,17 @@ def cases() -> list[KernelCase]:
                 targets,
             )
         )
+    # The largest head (ppo with k3, off policy) once more with bf16 dz.
+    ppo = next(case for case in out if case.name == "rows_fused_ppo_klk3")
+    out.append(
+        KernelCase(
+            "rows_fused_ppo_klk3_bf16dz",
+            ppo.kernel,
+            {**ppo.constexprs, **narrow},
+            row_launch,
+            narrow_types,
+        )
+    )
     return out
 
 

@@ -120,6 +120,41 @@ def bench_launches(
     launches.main(_bench_argv(options) + ["--check"] * check)
 
 
+@bench_app.command("profile")
+def bench_profile(
+    tokens: Annotated[int | None, typer.Option(help="Packed tokens of the step batch.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Profiled steps after a warm-up.")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for profile.csv/.json/traces.")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="A tiny model (smoke test).")] = False,
+) -> None:
+    """Profile the trainer benchmark's step, fused loss vs logits + eager: device-busy share,
+    kernels, syncs and the top ops by device and host time (cod_fast.bench.profile_step)."""
+    from cod_fast.bench import profile_step
+
+    options = {"tokens": tokens, "steps": steps, "device": device, "out": out}
+    profile_step.main(_bench_argv(options) + ["--tiny"] * tiny)
+
+
+@bench_app.command("decode")
+def bench_decode(
+    batches: Annotated[str | None, typer.Option(help="Comma-separated batch sizes.")] = None,
+    new_tokens: Annotated[int | None, typer.Option(help="Tokens per timed call.")] = None,
+    prompt: Annotated[int | None, typer.Option(help="Prompt tokens per row.")] = None,
+    reps: Annotated[int | None, typer.Option(help="Timed calls per length (median).")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for decode.csv/.json.")] = None,
+    tiny: Annotated[bool, typer.Option("--tiny", help="A tiny model (smoke test).")] = False,
+) -> None:
+    """Milliseconds per decode step of the torch sampler at a Qwen3-0.6B shape: compacting vs
+    static shapes vs static shapes replayed as CUDA graphs (cod_fast.bench.decode)."""
+    from cod_fast.bench import decode
+
+    options = {"batches": batches, "new-tokens": new_tokens, "prompt": prompt, "reps": reps}
+    options |= {"device": device, "out": out}
+    decode.main(_bench_argv(options) + ["--tiny"] * tiny)
+
+
 @bench_app.command("e2e")
 def bench_e2e(
     sizes: Annotated[

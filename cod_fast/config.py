@@ -316,6 +316,13 @@ class RolloutConfig(_Config):
     """The torch sampler decodes from the model's parameters without transformers' module
     stack where the architecture allows (cod_fast.rollout.fast_decode; same samples); false
     decodes through the model's forward."""
+    torch_static_shapes: bool | None = None
+    """Fast decode over one (batch bucket, cache width bucket) shape per call, finished rows
+    masked instead of dropped, one read of the device per step (same samples); null: on for
+    CUDA, off on the CPU, where dropping finished rows is faster."""
+    torch_cuda_graphs: bool | None = None
+    """Replay each decode step as a CUDA graph (needs static shapes on CUDA); null: on whenever
+    static shapes run on CUDA."""
     vllm_eager: bool = False
     """Run vLLM without torch.compile / CUDA graphs: on the CPU it starts in 3-5 s instead of
     30-40 s and samples somewhat slower (0.85-0.96x in `cod-fast bench sampler`)."""

@@ -45,6 +45,8 @@ RESUMABLE = (
     "rollout.vllm_gpu_memory_utilization",
     "rollout.vllm_eager",
     "rollout.torch_fast_decode",
+    "rollout.torch_static_shapes",
+    "rollout.torch_cuda_graphs",
     "model.attn_impl",
     "model.gradient_checkpointing",
     "model.lean_activations",

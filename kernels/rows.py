@@ -15,6 +15,13 @@ One program owns one row and sweeps it in BLOCK_V tiles. The statistics are gath
 single sweep: with x = z / T, the running max m, s = sum e^(x-m) and u = sum e^(x-m) (x-m) give
 lse = m + log s and H = -sum p log p = log s - u / s. Both terms of H are >= 0 (u <= 0), so H does
 not come from a difference of large numbers the way lse - sum p x does for peaked rows.
+
+With `dz_dtype` bf16/fp16 the two dz writers store dz in that dtype over z's own bytes (row r's
+dz fills the first V 16-bit values of its row, see `narrow_dz_view`), so the driver's GEMMs read
+bf16 dz without a separate cast pass over [C, V]. That is safe within a row because 16-bit value
+j lands in the bytes of float32 value j // 2 <= j, which the sweep has read in this tile or an
+earlier one; a barrier between each tile's loads and its stores makes that hold for every warp
+of the program, not only for each thread.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ def _row_stats(z_row, V, inv_temp, BLOCK_V: tl.constexpr):
 @triton.jit
 def _write_dz(
     z_row,
+    dz_row,
     y,
     V,
     inv_temp,
@@ -102,13 +110,17 @@ def _write_dz(
     g_entropy,
     entropy,
     HAS_ENTROPY_GRAD: tl.constexpr,
+    NARROW_DZ: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """z <- inv_temp (g_logp (onehot - p) - g_H p (log p + H)), log p = (x - m) - log s.
+    """dz <- inv_temp (g_logp (onehot - p) - g_H p (log p + H)), log p = (x - m) - log s.
 
     (x - m) - log s rather than x - lse: m is one of the row's values, so x - m is exact where p
     matters, while lse = m + log s carries a rounding of |lse| ulps. The backward, which only
     has lse, passes m = lse and log s = 0. Written as g_logp onehot - p (g_logp + g_H (log p + H)).
+    dz goes to dz_row in its element type: z_row itself, or z_row's bytes as 16-bit values
+    (NARROW_DZ), stored tile by tile after every warp has read the tile (see the module
+    docstring).
     """
     cols = tl.arange(0, BLOCK_V)
     for start in range(0, V, BLOCK_V):
@@ -119,8 +131,10 @@ def _write_dz(
         coef = g_logp
         if HAS_ENTROPY_GRAD:
             coef = g_logp + g_entropy * (log_p + entropy)
-        dz = tl.where(offs == y, g_logp, 0.0) - p * coef
-        tl.store(z_row + offs, dz * inv_temp, mask=mask)
+        dz = (tl.where(offs == y, g_logp, 0.0) - p * coef) * inv_temp
+        if NARROW_DZ:
+            tl.debug_barrier()
+        tl.store(dz_row + offs, dz.to(dz_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -157,11 +171,13 @@ def _rows_forward_kernel(
     tl.store(lse_ptr + row, m + log_s)
 
 
-@_tunable(key=["V", "HAS_LOGP_GRAD", "HAS_ENTROPY_GRAD"], restore=("z_ptr",))
+@_tunable(key=["V", "HAS_LOGP_GRAD", "HAS_ENTROPY_GRAD", "NARROW_DZ"], restore=("z_ptr",))
 @triton.jit
 def _rows_backward_kernel(
     z_ptr,
     stride_z,
+    dz_ptr,
+    stride_dz,
     y_ptr,
     lse_ptr,
     entropy_ptr,
@@ -171,6 +187,7 @@ def _rows_backward_kernel(
     inv_temp,
     HAS_LOGP_GRAD: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
+    NARROW_DZ: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -185,9 +202,11 @@ def _rows_backward_kernel(
     if HAS_ENTROPY_GRAD:
         g_entropy = tl.load(g_entropy_ptr + row)
         entropy = tl.load(entropy_ptr + row)
+    dz_row = dz_ptr + row * stride_dz
     _write_dz(
-        z_row, y, V, inv_temp, lse, 0.0, g_logp, g_entropy, entropy, HAS_ENTROPY_GRAD, BLOCK_V
-    )
+        z_row, dz_row, y, V, inv_temp, lse, 0.0, g_logp, g_entropy, entropy,
+        HAS_ENTROPY_GRAD, NARROW_DZ, BLOCK_V,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -292,13 +311,15 @@ def _policy_head(
 
 
 @_tunable(
-    key=["V", "POLICY", "SEQ_LEVEL", "ON_POLICY", "KL", "HAS_ADV", "HAS_ENTROPY_GRAD"],
+    key=["V", "POLICY", "SEQ_LEVEL", "ON_POLICY", "KL", "HAS_ADV", "HAS_ENTROPY_GRAD", "NARROW_DZ"],
     restore=("z_ptr",),
 )
 @triton.jit
 def _rows_fused_kernel(
     z_ptr,
     stride_z,
+    dz_ptr,
+    stride_dz,
     y_ptr,
     adv_ptr,
     old_ptr,
@@ -325,6 +346,7 @@ def _rows_fused_kernel(
     KL: tl.constexpr,
     HAS_ADV: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
+    NARROW_DZ: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -380,10 +402,12 @@ def _rows_fused_kernel(
     tl.store(loss_ptr + row, loss)
     tl.store(clipped_ptr + row, clipped)
 
-    # Pass 2: dL/dz over the row, with log p = (x - m) - log s as in pass 1.
+    # Pass 2: dL/dz over the row, with log p = (x - m) - log s as in pass 1. Every read of the
+    # row's float32 values (pass 1, x_y) came before it.
     _write_dz(
-        z_row, y, V, inv_temp, m, log_s, g_logp, g_entropy, entropy, HAS_ENTROPY_GRAD, BLOCK_V
-    )
+        z_row, dz_ptr + row * stride_dz, y, V, inv_temp, m, log_s, g_logp, g_entropy, entropy,
+        HAS_ENTROPY_GRAD, NARROW_DZ, BLOCK_V,
+    )  # fmt: skip
 
 
 def _block_v(z: torch.Tensor, block_v: int | None) -> dict:
@@ -438,6 +462,24 @@ def _token(name: str, t: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor |
     return t
 
 
+NARROW_DZ_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def narrow_dz_view(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The [C, V] `dtype` view of float32 z's bytes where `dz_dtype=dtype` stores dz: row r is
+    the first V 16-bit values of z's row r (row stride twice z's, in elements)."""
+    return z.view(dtype)[:, : z.shape[1]]
+
+
+def _dz_out(z: torch.Tensor, dz_dtype: torch.dtype) -> torch.Tensor:
+    """Where the kernel stores dz: z itself for float32, else its narrow view."""
+    if dz_dtype == torch.float32:
+        return z
+    if dz_dtype not in NARROW_DZ_DTYPES:
+        raise ValueError(f"dz_dtype must be float32, bfloat16 or float16, got {dz_dtype}")
+    return narrow_dz_view(z, dz_dtype)
+
+
 def rows_forward(
     z: torch.Tensor, targets: torch.Tensor, inv_temp: float, *, block_v: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -462,11 +504,13 @@ def rows_backward_(
     g_entropy: torch.Tensor | None,
     inv_temp: float,
     *,
+    dz_dtype: torch.dtype = torch.float32,
     block_v: int | None = None,
 ) -> None:
     """Overwrite z with dL/dz = inv_temp (g_logp (onehot - p) - g_entropy p (log p + H)).
 
-    p = exp(inv_temp z - lse). A None gradient counts as zero (and skips its terms).
+    p = exp(inv_temp z - lse). A None gradient counts as zero (and skips its terms). With a
+    bf16/fp16 `dz_dtype`, dz is stored in that dtype at `narrow_dz_view(z, dz_dtype)` instead.
     """
     _check_rows(z, targets)
     lse = _token("lse", lse, z)
@@ -474,11 +518,13 @@ def rows_backward_(
     g_entropy = _token("g_entropy", g_entropy, z)
     if g_entropy is not None:
         entropy = _token("entropy", entropy, z)
+    dz = _dz_out(z, dz_dtype)
     c, vocab = z.shape
     if c:
         _rows_backward_kernel[(c,)](
-            z, z.stride(0), targets, lse, entropy, g_logp, g_entropy, vocab, float(inv_temp),
-            HAS_LOGP_GRAD=g_logp is not None, HAS_ENTROPY_GRAD=g_entropy is not None,
+            z, z.stride(0), dz, dz.stride(0), targets, lse, entropy, g_logp, g_entropy, vocab,
+            float(inv_temp), HAS_LOGP_GRAD=g_logp is not None,
+            HAS_ENTROPY_GRAD=g_entropy is not None, NARROW_DZ=dz is not z,
             **_block_v(z, block_v),
         )  # fmt: skip
 
@@ -512,6 +558,7 @@ def rows_fused_(
     beta: float,
     entropy_coef: float,
     opd_coef: float,
+    dz_dtype: torch.dtype = torch.float32,
     block_v: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Statistics, the loss head, then dL/dz into z: (logp, entropy, loss, clipped) [C] float32.
@@ -519,7 +566,8 @@ def rows_fused_(
     loss is w_t L_t; clipped is 1.0 where the token's ratio left the trust region. Per-token
     inputs are float32 [C]; `old` is None iff on_policy, `ref` iff the KL is off, `teach` unless
     the policy is opd, `seq_ratio`/`seq_grad` unless seq_level. `adv` may be None for opd only.
-    The codes are those of cod_fast.ops.loss_terms.
+    The codes are those of cod_fast.ops.loss_terms. With a bf16/fp16 `dz_dtype`, dz is stored
+    in that dtype at `narrow_dz_view(z, dz_dtype)`.
     """
     if policy not in POLICY_CODES.values() or kl not in KL_CODES.values():
         raise ValueError(f"unknown policy code {policy} or kl code {kl}")
@@ -544,15 +592,17 @@ def rows_fused_(
         seq_grad=seq_grad,
     )
     per_token = {name: _token(name, t, z) for name, t in per_token.items()}
+    dz = _dz_out(z, dz_dtype)
     c, vocab = z.shape
     logp, entropy, loss, clipped = torch.empty((4, c), dtype=torch.float32, device=z.device)
     if c:
         _rows_fused_kernel[(c,)](
-            z, z.stride(0), targets, *per_token.values(), logp, entropy, loss, clipped,
+            z, z.stride(0), dz, dz.stride(0), targets, *per_token.values(),
+            logp, entropy, loss, clipped,
             vocab, float(inv_temp), float(eps_low), float(eps_high), float(beta),
             float(entropy_coef), float(opd_coef),
             POLICY=int(policy), SEQ_LEVEL=bool(seq_level), ON_POLICY=bool(on_policy),
             KL=int(kl), HAS_ADV=adv is not None, HAS_ENTROPY_GRAD=entropy_coef != 0,
-            **_block_v(z, block_v),
+            NARROW_DZ=dz is not z, **_block_v(z, block_v),
         )  # fmt: skip
     return logp, entropy, loss, clipped

@@ -37,10 +37,10 @@ if not ON_GPU and not isinstance(
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # Under the interpreter every kernel call runs as Python per block: seconds per test in all.
-pytestmark = [] if ON_GPU else [pytest.mark.slow]
 # Under the interpreter, masked lanes compute 0 * -inf or log(0) before tl.where or the store
 # mask discards them; numpy warns about it.
 pytestmark = [
+    *([] if ON_GPU else [pytest.mark.slow]),
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
 ]
@@ -314,6 +314,116 @@ def test_rows_fused_every_switch(policy, kl, seq_level, on_policy):
 def test_rows_fused_shapes(c, vocab, temperature, block_v, policy, kl):
     """The fused row kernel on a 1-token chunk, ragged tiles and single-tile rows."""
     check_fused(c, vocab, temperature, block_v, policy, kl, 0, 0, entropy_coef=0.01)
+
+
+NARROW_SHAPES = [  # (C, V, temperature, BLOCK_V): several tiles, an odd V, a one-tile row
+    (5, 300, 0.7, 64),
+    (4, 301, 1.0, 32),
+    (1, 3, 1.0, None),
+]
+
+
+def assert_rounded(name, got, want):
+    """Every 16-bit value of `got` is the float32 `want` rounded to its dtype: to nearest even
+    (torch's and a GPU's conversion), or, under the interpreter, which truncates float32 to
+    bf16, toward zero (one ulp of the dtype at most). The interpreter also garbles float32
+    subnormals on that conversion: there they need only stay below the smallest normal."""
+    nearest = want.to(got.dtype)
+    if ON_GPU:
+        report_mismatch(name, got.cpu().view(torch.int16), nearest.view(torch.int16), 0, 0)
+        return
+    over = nearest.float().abs() > want.abs()
+    toward_zero = torch.where(over, torch.nextafter(nearest, torch.zeros_like(nearest)), nearest)
+    got = got.cpu()
+    tiny = torch.finfo(torch.float32).tiny
+    bad = (got.view(torch.int16) != nearest.view(torch.int16)) & (
+        got.view(torch.int16) != toward_zero.view(torch.int16)
+    )
+    bad &= ~((want.abs() < tiny) & (got.float().abs() < tiny))
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())}/{bad.numel()} values neither rounding of the float32 dz; "
+        f"first at {bad.nonzero()[:5].tolist()}"
+    )
+
+
+def check_narrow_dz(run, z, dz_dtype):
+    """Run `run(view, **kw)` on two padded copies of z, one storing float32 dz and one 16-bit dz
+    over z's bytes; the 16-bit dz is the float32 one rounded, the bytes past each row's first V
+    16-bit values and the rows past C keep their values, and the other outputs are the same."""
+    c, vocab = z.shape
+    wide_buf, buf = padded(z), padded(z)
+    wide = wide_buf[:c, :vocab]
+    view = buf[:c, :vocab]
+    want = run(wide)
+    got = run(view, dz_dtype=dz_dtype)
+    assert_rounded("dz", rows.narrow_dz_view(view, dz_dtype), wide.cpu())
+    before = padded(z).cpu().view(dz_dtype)
+    after = buf.cpu().view(dz_dtype)
+    assert torch.equal(after[:c, vocab:].view(torch.int16), before[:c, vocab:].view(torch.int16))
+    assert buf[c:].isnan().all().item(), "a kernel wrote past its rows"
+    for g, w in zip(got or (), want or (), strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("dz_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("c", "vocab", "temperature", "block_v"), NARROW_SHAPES)
+def test_rows_backward_narrow_dz(c, vocab, temperature, block_v, dz_dtype):
+    """rows_backward_ with a 16-bit dz_dtype stores its float32 dz rounded to that dtype over
+    the first V 16-bit values of each row of z, in place, and touches nothing else."""
+    z, targets = peaked_logits(c, vocab, seed=11 + c * vocab)
+    g = torch.Generator().manual_seed(c)
+    g_logp, g_entropy = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    inv_temp = 1.0 / temperature
+    _, entropy, lse = (t.float() for t in eager_rows(z, targets, inv_temp, torch.float64))
+    args = (targets.to(DEVICE), lse, entropy, g_logp, g_entropy)
+    args = tuple(t.to(DEVICE) for t in args)
+
+    def run(view, **kw):
+        rows.rows_backward_(view, *args, inv_temp, block_v=block_v, **kw)
+
+    check_narrow_dz(run, z, dz_dtype)
+
+
+@pytest.mark.parametrize("dz_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("c", "vocab", "temperature", "block_v", "policy", "kl"),
+    [(5, 300, 0.7, 64, 0, 3), (4, 301, 1.0, 32, 3, 1), (1, 3, 1.0, None, 1, 0)],
+)
+def test_rows_fused_narrow_dz(c, vocab, temperature, block_v, policy, kl, dz_dtype):
+    """rows_fused_ with a 16-bit dz_dtype returns the same logp, entropy, loss and clipped as
+    with float32 dz, and stores its dz rounded over the first V 16-bit values of each row."""
+    z, targets = peaked_logits(c, vocab, seed=17 + c * vocab)
+    inv_temp = 1.0 / temperature
+    logp64, _, _ = eager_rows(z, targets, inv_temp, torch.float64)
+    inputs = head_inputs(logp64, policy, kl, 0, 0, seed=c + vocab)
+    inputs = {k: None if v is None else v.to(DEVICE) for k, v in inputs.items()}
+    sw = dict(
+        policy=policy,
+        seq_level=0,
+        on_policy=0,
+        eps_low=0.2,
+        eps_high=0.28,
+        kl=kl,
+        beta=0.1,
+        entropy_coef=0.02,
+        opd_coef=0.5,
+    )
+
+    def run(view, **kw):
+        return rows.rows_fused_(
+            view, targets.to(DEVICE), inv_temp, **inputs, **sw, block_v=block_v, **kw
+        )
+
+    check_narrow_dz(run, z, dz_dtype)
+
+
+def test_rows_reject_bad_dz_dtype():
+    """A dz_dtype other than float32, bfloat16 or float16 raises before any launch."""
+    z = torch.zeros(2, 9, device=DEVICE)
+    y = torch.zeros(2, dtype=torch.long, device=DEVICE)
+    ones = torch.ones(2, device=DEVICE)
+    with pytest.raises(ValueError, match="dz_dtype"):
+        rows.rows_backward_(z, y, ones, ones, ones, None, 1.0, dz_dtype=torch.float64)
 
 
 @triton.jit

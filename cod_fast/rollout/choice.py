@@ -125,6 +125,8 @@ def build_samplers(
             top_p=top_p,
             seed=s,
             fast_decode=cfg.rollout.torch_fast_decode,
+            static_shapes=cfg.rollout.torch_static_shapes,
+            cuda_graphs=cfg.rollout.torch_cuda_graphs,
         )
 
     train, evaluation = make(seed, temperature), make(eval_seed, eval_temperature)

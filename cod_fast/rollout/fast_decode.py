@@ -28,10 +28,24 @@ transformers. The RMSNorm, the SwiGLU product and a decode step's attention are
 cod_fast.ops.layers' kernels, as in cod_fast.lean (C++ for float32 on a CPU; the RMSNorm float32
 inside for 16-bit inputs and float64 for float64, which is transformers' arithmetic except that
 transformers rounds float64 to float32).
+
+Static shapes (`StaticCache`, the sampler's path on CUDA): on a GPU a small model's decode step
+is a few hundred kernel launches and host work around them (an 8-layer H = 1024 model on an
+H200: ~26 ms per step for ~0.2 ms of GPU work). Compaction changes the batch's shape whenever a
+row stops, and the column `col` is a host int, so no step can be recorded once and replayed.
+A `StaticCache` holds the batch padded to a row bucket (`row_bucket`) and the cache to a width
+bucket (`width_bucket`); the column and the positions are device tensors advanced in place; the
+new column is written with `index_copy_` and attention reads the whole width under an additive
+mask, -inf on the left padding and on the columns not written yet. Rows that stop stay in the
+batch and compute on finite leftovers that nobody reads. Every step is then the same kernels on
+the same buffers, so `CapturedStep` records it as a CUDA graph and replays it: the weights are
+read by address, so in-place weight updates are seen and a replaced parameter needs a new graph
+(the sampler keys its graph on the parameters' data_ptr).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +74,21 @@ ARCHITECTURES = {
     "llama": False,
     "mistral": False,
 }
+
+
+ROW_BUCKET_MIN = 8
+WIDTH_BUCKET = 256
+
+
+def row_bucket(rows: int) -> int:
+    """The static path's batch size for `rows` rows: the next power of two, at least 8 (few
+    shapes, so few graphs, at most twice the rows)."""
+    return max(ROW_BUCKET_MIN, 1 << (rows - 1).bit_length())
+
+
+def width_bucket(columns: int) -> int:
+    """The static path's cache width for `columns` columns: the next multiple of 256."""
+    return -(-columns // WIDTH_BUCKET) * WIDTH_BUCKET
 
 
 @dataclass
@@ -133,6 +162,15 @@ class FastDecoder:
                 return f"{name}'s forward was replaced (the fast path would skip it)"
         if type(inner.embed_tokens) is not torch.nn.Embedding:
             return f"the embedding is a {type(inner.embed_tokens).__name__}, not nn.Embedding"
+        return None
+
+    def static_refusal(self) -> str | None:
+        """None when `StaticCache` steps compute what `step` computes, else why not: a dynamic
+        or long RoPE recomputes its frequencies from the largest position in the batch (a host
+        read, and in a padded batch the positions of stopped rows would count)."""
+        rope = getattr(self.rotary, "rope_type", "default")
+        if "dynamic" in rope or rope == "longrope":
+            return f"rope_type {rope!r} depends on the batch's largest position"
         return None
 
     # --- prefill and the cache -------------------------------------------------------------
@@ -249,3 +287,85 @@ class FastDecoder:
         up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
         product = swiglu(gate, up)
         return F.linear(product, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
+class StaticCache:
+    """A FastDecoder's decode state in buffers of one shape (see the module docstring): keys
+    and values [rows, kv_heads, width, d] per layer, the additive attention mask [rows, width],
+    the input tokens and positions [rows, 1] and the column [1] that the next step writes.
+    `step` reads and advances them in place, with the same kernels on the same buffers at
+    every step, so it can run as a CUDA graph."""
+
+    def __init__(self, decoder: FastDecoder, rows: int, width: int, dtype, device):
+        self.decoder = decoder
+        shape = (rows, decoder.kv_heads, width, decoder.head_dim)
+        # Zeros, not empty: masked columns are multiplied by 0 weights, and 0 * NaN is NaN.
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in decoder.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in decoder.layers]
+        self.bias = torch.zeros(rows, width, dtype=dtype, device=device)
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.col = torch.zeros(1, dtype=torch.long, device=device)
+
+    def load(self, cache, mask: torch.Tensor, next_pos: torch.Tensor, index: torch.Tensor):
+        """Take over the rows `index` [rows] (repeats allowed) of a prefilled cache (keys and
+        values [B, kv_heads, W, d] per layer), of its left-padding mask [B, W] and of its next
+        positions [B, 1]. Steps write columns W, W + 1, ... up to the buffers' width."""
+        width = mask.shape[1]
+        for layer, keys, values in zip(cache.layers, self.keys, self.values, strict=True):
+            keys[:, :, :width] = layer.keys.index_select(0, index)
+            values[:, :, :width] = layer.values.index_select(0, index)
+        self.bias.fill_(-math.inf)
+        self.bias[:, :width].masked_fill_(mask.bool()[index], 0.0)
+        self.positions.copy_(next_pos[index])
+        self.col.fill_(width)
+
+    def step(self) -> torch.Tensor:
+        """[rows, V] logits of `tokens` at `positions`; writes their keys and values into
+        column `col`, then advances `col` and `positions` by one (no host read, no shape that
+        depends on the step)."""
+        self.bias.index_fill_(1, self.col, 0.0)
+        logits = self.decoder._run(self.tokens, self.positions, self._attend)
+        self.col += 1
+        self.positions += 1
+        return logits
+
+    def _attend(self, layer, attn, q, k, v, cos, sin):
+        """A step's attention over the whole width. The query heads that share a key-value
+        head become that head's queries ([rows, kv_heads, group, d]), so SDPA reads the cache
+        as it is without enable_gqa: on CUDA a masked call with enable_gqa goes to the math
+        kernel (transformers' SDPA attention avoids it for that reason), which repeats the keys
+        and values for every query head."""
+        decoder = self.decoder
+        q, k = position_heads(q[:, 0], k[:, 0], decoder._head_norms(attn), cos[:, 0], sin[:, 0])
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, self.col, k[:, :, None])
+        values.index_copy_(2, self.col, v[:, 0, :, None])
+        rows, heads, dim = q.shape
+        grouped = q.view(rows, decoder.kv_heads, heads // decoder.kv_heads, dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=self.bias[:, None, None], scale=attn.scaling
+        )
+        return out.reshape(rows, 1, heads, dim)
+
+
+class CapturedStep:
+    """`step()`, a function of fixed buffers only, recorded once as a CUDA graph; calling this
+    replays it (one launch for the whole step). Recording runs `step` once first, on a side
+    stream as torch.cuda.graphs asks (cuBLAS handles and workspaces are made outside the
+    capture): call it before the buffers hold real data."""
+
+    def __init__(self, step):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (a data loader, a checkpoint writer) during
+        # the capture are theirs, not the graph's.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            step()
+
+    def __call__(self) -> None:
+        self.graph.replay()

@@ -16,6 +16,15 @@ overhead on a CPU, memory bandwidth on a GPU), so separate loops per bucket woul
 Equal prompts (a group's members) are prefilled once and their copies decode from its cache
 rows. Prefill and decode run through cod_fast.rollout.fast_decode where the model allows (the
 same arithmetic without transformers' module stack), else through the model's forward.
+
+On CUDA (`static_shapes`, `cuda_graphs`) the fast decode loop keeps one shape instead: the batch
+padded to a row bucket and the cache to a width bucket (fast_decode.StaticCache), stopped rows
+masked rather than removed, each step's tokens and log-probs read in one transfer, and the step
+(decode, then draw) replayed as a CUDA graph. A small model's step there is launch-bound, and
+compaction would change the shapes whenever a row stops; on a CPU a stopped row's compute is
+real time, so the CPU default compacts. A row gets the same uniforms either way, so both draw
+the same tokens up to their kernels' rounding.
+
 Randomness comes from the sampler's own generator, never the global RNG: the trainer's
 bit-for-bit resume depends on the global state, and `state_dict` lets a resumed run draw the
 same samples. A keyed call (cod_fast.rollout.sampler) takes each row's uniforms from its key
@@ -25,14 +34,22 @@ instead, and leaves the generator as it was.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from cod_fast.rollout.fast_decode import FastDecoder
+from cod_fast.rollout.fast_decode import (
+    CapturedStep,
+    FastDecoder,
+    StaticCache,
+    row_bucket,
+    width_bucket,
+)
 from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms
 
 BUCKET_RATIO = 1.25
@@ -146,6 +163,8 @@ class TorchSampler:
         seed: int = 0,
         max_batch_tokens: int = 65536,
         fast_decode: bool = True,
+        static_shapes: bool | None = None,
+        cuda_graphs: bool | None = None,
     ):
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(
@@ -174,6 +193,17 @@ class TorchSampler:
         self._cache_kw = _cache_keyword(model)
         self.fast_decode = fast_decode
         self.decode_path = ""  # set by each call: "fast", or "transformers (why not fast)"
+        cuda = self.device.type == "cuda"
+        self.static_shapes = cuda if static_shapes is None else static_shapes
+        self.cuda_graphs = cuda and self.static_shapes if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not (cuda and self.static_shapes):
+            raise ValueError(
+                "cuda_graphs=True records the static-shape decode step on a GPU: it needs a CUDA "
+                f"model (this one is on {self.device}) and static_shapes not False"
+            )
+        # Set by each call: "static shapes" (", CUDA graphs") or "compacting (why not static)".
+        self.decode_steps = ""
+        self._static: _StaticRun | None = None  # the last call's buckets, reused by the next
 
     # --- checkpointing -------------------------------------------------------------------------
 
@@ -223,7 +253,8 @@ class TorchSampler:
                 starts = [row for row, j in enumerate(flat) for _ in copies[j]]
                 caps = [max_new_tokens[i] for i in order]
                 streams = None if keys is None else key_streams(self.seed, [keys[i] for i in order])
-                samples = self._decode(decoder, *self._join(prefilled), starts, caps, streams)
+                decode = self._decode_static if self._decodes_static(decoder) else self._decode
+                samples = decode(decoder, *self._join(prefilled), starts, caps, streams)
         finally:
             self.model.train(was_training)
         out: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]
@@ -296,6 +327,20 @@ class TorchSampler:
         self.decode_path = "fast" if why is None else f"transformers ({why})"
         return FastDecoder(self.model) if why is None else _ModuleDecoder(self)
 
+    def _decodes_static(self, decoder) -> bool:
+        """Whether this call decodes with static shapes; `decode_steps` records which and why."""
+        if not self.static_shapes:
+            why = "static_shapes=False"
+        elif not isinstance(decoder, FastDecoder):
+            why = "the transformers path"
+        else:
+            why = decoder.static_refusal()
+        if why is not None:
+            self.decode_steps = f"compacting ({why})"
+        else:
+            self.decode_steps = "static shapes" + (", CUDA graphs" if self.cuda_graphs else "")
+        return why is None
+
     def _decode(
         self, decoder, cache, logits, mask, next_pos, starts: list[int], caps: list[int], streams
     ) -> list[Sample]:
@@ -305,9 +350,7 @@ class TorchSampler:
         index = torch.tensor(starts, device=self.device)
         decoder.start(cache, mask, max(caps), index)
         logits, next_pos = logits[index], next_pos[index]
-        tokens: list[list[int]] = [[] for _ in caps]
-        logps: list[list[float]] = [[] for _ in caps]
-        finish = ["length"] * len(caps)
+        responses = _Responses(caps, self.stop_ids)
         rows = list(range(len(caps)))  # the prompt each live batch row belongs to
         step = 0  # live rows decode in lockstep: each has drawn `step` tokens
         while True:
@@ -315,18 +358,8 @@ class TorchSampler:
             tok = draw(logp, self._uniforms(step, streams, rows))  # [B, 1]
             step += 1
             picked = logp.gather(-1, tok)
-            keep = []
             # One host sync per step: the stop test needs the tokens.
-            for j, (t, lp) in enumerate(
-                zip(tok[:, 0].tolist(), picked[:, 0].tolist(), strict=True)
-            ):
-                r = rows[j]
-                tokens[r].append(t)
-                logps[r].append(lp)
-                if t in self.stop_ids:
-                    finish[r] = "stop"
-                elif len(tokens[r]) < caps[r]:
-                    keep.append(j)
+            keep = responses.add(rows, tok[:, 0].tolist(), picked[:, 0].tolist())
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -337,10 +370,57 @@ class TorchSampler:
                 rows = [rows[j] for j in keep]
             logits = decoder.step(tok, next_pos)
             next_pos = next_pos + 1
-        return [
-            Sample(token_ids=t, logprobs=lp, finish_reason=f)
-            for t, lp, f in zip(tokens, logps, finish, strict=True)
-        ]
+        return responses.samples()
+
+    def _decode_static(
+        self, decoder, cache, logits, mask, next_pos, starts: list[int], caps: list[int], streams
+    ) -> list[Sample]:
+        """`_decode` with every step on one (rows, width) bucket (fast_decode's StaticCache):
+        stopped rows stay in the batch, masked, and each step reads the host once. The same
+        samples as `_decode`: a row's uniforms are the ones `_decode` gives it."""
+        n, steps = len(caps), max(caps)
+        rows = row_bucket(n)
+        dtype = cache.layers[0].keys.dtype
+        run = self._static_run(decoder, rows, width_bucket(mask.shape[1] + steps), dtype)
+        # Batch row i is response i; the padding rows repeat response 0's prompt.
+        index = torch.tensor(starts + starts[:1] * (rows - n), device=self.device)
+        run.load(cache, mask, next_pos, index, caps)
+        table = None if streams is None else self._uniform_table(streams, steps, rows)
+        responses = _Responses(caps, self.stop_ids)
+        live = list(range(n))
+        for step in range(steps):
+            run.set_uniforms(step, len(live), table)
+            if step == 0:
+                run.sample(logits.index_select(0, index))
+            else:
+                run.step()
+            drawn = run.out.tolist()  # the step's one host read: [token, log-prob] per row
+            keep = responses.add(
+                live, [int(drawn[r][0]) for r in live], [drawn[r][1] for r in live]
+            )
+            live = [live[j] for j in keep]
+            if not live:
+                break
+        return responses.samples()
+
+    def _static_run(self, decoder, rows: int, width: int, dtype) -> _StaticRun:
+        """The last call's run when it has these buckets and the model's tensors are still
+        where its graph reads them (an in-place update keeps them there; a replaced parameter
+        does not), else a new one, the old one freed first (it holds a KV cache)."""
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        key = (rows, width, dtype, tuple(t.data_ptr() for t in tensors))
+        if self._static is None or self._static.key != key:
+            self._static = None
+            self._static = _StaticRun(self, decoder, rows, width, dtype, key)
+        return self._static
+
+    def _uniform_table(self, streams, steps: int, rows: int) -> torch.Tensor:
+        """[steps, rows] float64: every step's keyed uniforms, copied to the device at once
+        (the padding rows' are 0)."""
+        table = np.zeros((steps, rows))
+        for step in range(steps):
+            table[step, : len(streams)] = keyed_uniforms(streams, step)
+        return torch.from_numpy(table).to(self.device)
 
     def _uniforms(self, step: int, streams, rows: list[int]) -> torch.Tensor:
         """[len(rows), 1] float64 uniforms for one decode step of the live `rows`: from the
@@ -388,6 +468,96 @@ class TorchSampler:
         if missing:
             raise ValueError(f"push_weights: no tensor was given for {missing}")
         return len(seen)
+
+
+class _Responses:
+    """The tokens, log-probs and finish reasons drawn so far, one response per prompt."""
+
+    def __init__(self, caps: list[int], stop_ids: frozenset[int]):
+        self.caps, self.stop_ids = caps, stop_ids
+        self.tokens: list[list[int]] = [[] for _ in caps]
+        self.logps: list[list[float]] = [[] for _ in caps]
+        self.finish = ["length"] * len(caps)
+
+    def add(self, rows: list[int], tokens: list[int], logps: list[float]) -> list[int]:
+        """Append token j and its log-prob to response rows[j]; the positions j whose response
+        goes on (no stop token, below its cap)."""
+        keep = []
+        for j, (r, t, lp) in enumerate(zip(rows, tokens, logps, strict=True)):
+            self.tokens[r].append(t)
+            self.logps[r].append(lp)
+            if t in self.stop_ids:
+                self.finish[r] = "stop"
+            elif len(self.tokens[r]) < self.caps[r]:
+                keep.append(j)
+        return keep
+
+    def samples(self) -> list[Sample]:
+        return [
+            Sample(token_ids=t, logprobs=lp, finish_reason=f)
+            for t, lp, f in zip(self.tokens, self.logps, self.finish, strict=True)
+        ]
+
+
+class _StaticRun:
+    """One (rows, width) bucket of `TorchSampler._decode_static`: the StaticCache, the
+    sampling buffers, and the step (decode, then draw) as a CUDA graph or run eagerly. Row i's
+    uniform for this step is in `uniforms`; the device tracks which rows are still decoding
+    (`alive`) to hand the generator's draws to the live rows in order."""
+
+    def __init__(self, sampler: TorchSampler, decoder, rows: int, width: int, dtype, key):
+        self.key = key
+        self.temperature, self.top_p = sampler.temperature, sampler.top_p
+        self.generator = sampler.generator
+        device = sampler.device
+        self.cache = StaticCache(decoder, rows, width, dtype, device)
+        self.uniforms = torch.zeros(rows, dtype=torch.float64, device=device)
+        self.fresh = torch.zeros(rows, dtype=torch.float64, device=device)  # the live rows'
+        self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.caps = torch.zeros(rows, dtype=torch.long, device=device)
+        self.drawn = torch.zeros(1, dtype=torch.long, device=device)  # tokens per live row
+        self.stops = torch.tensor(sorted(sampler.stop_ids) or [-1], device=device)
+        self.out = torch.zeros(rows, 2, dtype=torch.float64, device=device)  # token, log-prob
+        # Recorded on these buffers before any call loads them (the recording runs a step).
+        self.step = (
+            CapturedStep(self._decode_and_sample)
+            if sampler.cuda_graphs
+            else self._decode_and_sample
+        )
+
+    def load(self, cache, mask, next_pos, index: torch.Tensor, caps: list[int]) -> None:
+        """A call's prefilled rows `index` (one per batch row) and the caps of its responses
+        (batch rows past len(caps) are padding: never alive)."""
+        self.cache.load(cache, mask, next_pos, index)
+        padded = caps + [0] * (len(index) - len(caps))
+        self.caps.copy_(torch.tensor(padded))
+        torch.gt(self.caps, 0, out=self.alive)
+        self.drawn.zero_()
+
+    def set_uniforms(self, step: int, live: int, table: torch.Tensor | None) -> None:
+        """This step's uniforms: row `step` of the keyed table, or `live` draws of the
+        generator given to the live rows in order, as `TorchSampler._uniforms` gives them to
+        the compacting batch (so both paths draw the same tokens and leave the generator in
+        the same state)."""
+        if table is not None:
+            self.uniforms.copy_(table[step])
+            return
+        self.fresh[:live].uniform_(0, 1, generator=self.generator)
+        rank = (self.alive.cumsum(0) - 1).clamp_(min=0)
+        torch.gather(self.fresh, 0, rank, out=self.uniforms)
+
+    def sample(self, logits: torch.Tensor) -> None:
+        """Draw every row's next token from `logits` [rows, V]; `out` gets the tokens and
+        their log-probs, the cache the tokens to decode next, `alive` the rows that go on."""
+        logp = processed_logprobs(logits, self.temperature, self.top_p)
+        tok = draw(logp, self.uniforms[:, None])
+        torch.cat([tok.double(), logp.gather(-1, tok).double()], dim=1, out=self.out)
+        self.cache.tokens.copy_(tok)
+        self.drawn += 1
+        self.alive &= (tok != self.stops).all(-1) & (self.caps > self.drawn)
+
+    def _decode_and_sample(self) -> None:
+        self.sample(self.cache.step())
 
 
 class _ModuleDecoder:
