@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.train import _append_csv, _print_table, run_meta
+from cod_fast.bench.train import StepShape, _append_csv, _print_table, resolve_device, run_meta
 
 SEED = 0
 CONTENDERS = {  # name: (static_shapes, cuda_graphs)
@@ -48,49 +48,18 @@ TABLE = (
 # fmt: on
 
 
-@dataclass(frozen=True)
-class DecodeShape:
-    layers: int = 28
-    hidden: int = 1024
-    heads: int = 16
-    kv_heads: int = 8
-    head_dim: int = 128
-    intermediate: int = 3072
-    vocab: int = 151936
-
-    def describe(self) -> str:
-        return (
-            f"Qwen3 {self.layers}L H{self.hidden} {self.heads}q/{self.kv_heads}kv heads "
-            f"d{self.head_dim} I{self.intermediate} V{self.vocab} tied"
-        )
-
-
-QWEN3_0_6B = DecodeShape()
-TINY = DecodeShape(
-    layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512
+QWEN3_0_6B = StepShape(
+    layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936
 )
+TINY = StepShape(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=512)
 
 
-def build_model(shape: DecodeShape, device, dtype, eos: int):
-    """A seeded Qwen3ForCausalLM of `shape`, made on `device` in `dtype`."""
+def build_model(shape: StepShape, device, dtype, eos: int):
+    """The seeded Qwen3ForCausalLM of `shape`, made on `device` in `dtype`."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(
-        vocab_size=shape.vocab,
-        hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        tie_word_embeddings=True,
-        eos_token_id=eos,
-        pad_token_id=eos,
-    )
-    torch.manual_seed(SEED)
     with torch.device(device):
-        model = Qwen3ForCausalLM(config)
+        model = shape.seeded_model(eos_token_id=eos, pad_token_id=eos)
     return model.to(dtype=dtype).eval()
 
 
@@ -133,7 +102,7 @@ def measure_contender(model, tokenizer, prompts, name: str, args, sync) -> dict:
     }
 
 
-def measure(shape: DecodeShape, device: str, args) -> list[dict]:
+def measure(shape: StepShape, device: str, args) -> list[dict]:
     import random
 
     import torch
@@ -195,13 +164,9 @@ def _parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     """Every contender at every batch size; returns the summary the last printed line holds."""
-    import torch
 
     args, parser = _parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    args.device = resolve_device(args.device, parser)
     shape = TINY if args.tiny else QWEN3_0_6B
     meta = run_meta()
     rows = measure(shape, args.device, args)

@@ -15,8 +15,10 @@ counted once after one warm-up call (AdamW's state, lazy initialisation and cach
   `logits+eager` (full logits, log_softmax, gather, the loss on log-probs).
 - `loss`: the fused loss alone, forward and backward, on the first micro-batch's hidden rows,
   called as `Policy.forward` calls it: the part that should make no host sync at all.
-- `decode`: one decode step of `TorchSampler` on a batch of `--prompts` prompts: the sampling of
-  one token and one step of the decoder, as the counts of a two-token call less a one-token call.
+- `decode`: one decode step of `TorchSampler` on a batch of `--prompts` prompts, compacting
+  (`torch`, the CPU's default) and over static shapes (`torch-static`, CUDA's default, whose
+  step CUDA replays as one graph): the sampling of one token and one step of the decoder, as
+  the counts of a two-token call less a one-token call.
 
 What is and is not the CUDA code path on a CPU (`--device cpu`, float32):
 - Selected: the decoder's layer and attention kernels run their torch code (COD_FAST_IMPL=torch
@@ -65,6 +67,7 @@ from cod_fast.bench.train import (
     _print_table,
     build_model,
     make_step,
+    resolve_device,
     run_meta,
     set_rollout_logp,
     step_batch,
@@ -191,8 +194,9 @@ def measure_step(shape, device, dtype) -> list[dict]:
     return rows
 
 
-def measure_decode(shape, device, dtype, prompts: int) -> dict:
-    """One decode step of TorchSampler: a two-token call's counts less a one-token call's, on
+def measure_decode(shape, device, dtype, prompts: int) -> list[dict]:
+    """One decode step of TorchSampler, compacting (`torch`) and over static shapes
+    (`torch-static`, the CUDA default): a two-token call's counts less a one-token call's, on
     `prompts` prompts of different lengths (a seeded model, so the counts repeat)."""
     import random
 
@@ -207,18 +211,27 @@ def measure_decode(shape, device, dtype, prompts: int) -> dict:
     batch = [
         [rng.randrange(eos + 1, shape.vocab) for _ in range(8 + 5 * i)] for i in range(prompts)
     ]
+    rows = []
+    for contender, static in (("torch", False), ("torch-static", True)):
 
-    def count(new_tokens: int) -> DispatchCounter:
-        sampler = TorchSampler(model, tokenizer, temperature=LOSS.temperature, seed=SEED)
-        return _counted(lambda: sampler.generate(batch, [new_tokens] * prompts))
+        def count(new_tokens: int, static=static) -> DispatchCounter:
+            sampler = TorchSampler(
+                model, tokenizer, temperature=LOSS.temperature, seed=SEED, static_shapes=static
+            )
+            return _counted(lambda: sampler.generate(batch, [new_tokens] * prompts))
 
-    one, two = count(1), count(2)
-    # The two calls run the same code up to the second token: what the longer one adds is
-    # one decoder step, one more draw, and its syncs come after the shorter call's.
-    step = _counts(
-        two.ops - one.ops, two.kernels - one.kernels, two.syncs[len(one.syncs) :], two.h2d - one.h2d
-    )
-    return {"case": "decode", "contender": "torch", "impl": "", "prompts": prompts} | step
+        one, two = count(1), count(2)
+        # The two calls run the same code up to the second token: what the longer one adds is
+        # one decoder step, one more draw, and its syncs come after the shorter call's.
+        step = _counts(
+            two.ops - one.ops,
+            two.kernels - one.kernels,
+            two.syncs[len(one.syncs) :],
+            two.h2d - one.h2d,
+        )
+        rows.append({"case": "decode", "contender": contender, "impl": "", "prompts": prompts})
+        rows[-1] |= step
+    return rows
 
 
 def measure(shape=TINY, device: str = "cpu", prompts: int = DECODE_PROMPTS) -> list[dict]:
@@ -231,7 +244,7 @@ def measure(shape=TINY, device: str = "cpu", prompts: int = DECODE_PROMPTS) -> l
     common["model"] = shape.describe()
     with _torch_layers(device):
         steps = measure_step(shape, device, dtype)
-        rows = [*steps, measure_decode(shape, device, dtype, prompts)]
+        rows = [*steps, *measure_decode(shape, device, dtype, prompts)]
     return [common | row for row in rows]
 
 
@@ -278,13 +291,9 @@ def _parse_args(argv):
 def main(argv: list[str] | None = None) -> dict:
     """Count every case; returns the summary that the last printed line holds as JSON. With
     `--check`, a missed target ends the process with exit status 1 after the output."""
-    import torch
 
     args, parser = _parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    args.device = resolve_device(args.device, parser)
     shape = replace(TINY, **({"tokens": args.tokens} if args.tokens else {}))
     meta = run_meta()
     rows = measure(shape, args.device, args.prompts)

@@ -42,6 +42,7 @@ from cod_fast.bench.train import (
     _print_table,
     build_model,
     make_step,
+    resolve_device,
     run_meta,
     set_rollout_logp,
     step_batch,
@@ -187,13 +188,9 @@ def _parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     """Profile both contenders; returns the summary that the last printed line holds as JSON."""
-    import torch
 
     args, parser = _parse_args(argv)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    args.device = resolve_device(args.device, parser)
     shape = TINY if args.tiny else StepShape()
     shape = replace(shape, **({"tokens": args.tokens} if args.tokens else {}))
     meta = run_meta()

@@ -528,6 +528,18 @@ def run_merge(packs: int) -> list[dict]:
 # Output and the command line.
 
 
+def resolve_device(choice: str, parser) -> str:
+    """A benchmark's --device: `auto` is cuda when there is one; cuda without one is a usage
+    error of `parser`."""
+    import torch
+
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    return choice
+
+
 def run_meta() -> dict[str, str]:
     """The META columns of a benchmark run: when, which commit, which machine and versions."""
     import torch
@@ -625,13 +637,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(json.dumps(_step_worker(json.loads(args.worker))))
         return None
 
-    import torch
     from rich.console import Console
 
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    args.device = resolve_device(args.device, parser)
     progress = Console(stderr=True)
     meta = run_meta()
     shape = replace(

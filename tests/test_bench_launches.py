@@ -23,7 +23,7 @@ COLUMNS = (
     "tokens",
 )
 CASES = [("train_step", "fused"), ("train_step", "logits+eager"), ("loss", "fused")]
-CASES += [("decode", "torch")]
+CASES += [("decode", "torch"), ("decode", "torch-static")]
 
 
 def _run(tmp_path, *extra: str):
