@@ -19,10 +19,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from cod_fast import __version__
 from cod_fast.cli_bench import SetOption, bench_app
 from cod_fast.cli_common import bad_model_input, fail
 from cod_fast.cli_play import envs_app, eval_command, rollout_command
 from cod_fast.config import Config, ConfigError
+from cod_fast.config_doc import explain_config, sections
 from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.presets import DEFAULT_PRESET, PRESETS
 
@@ -38,6 +40,25 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(envs_app, name="envs")
 
 OPTIONAL_EXTRAS = ("vllm", "flash_attn", "liger_kernel", "triton")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"cod-fast {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_print_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
+    """The options that come before a command (the app's help text is the Typer's)."""
+
 
 PresetOption = Annotated[
     str | None,
@@ -136,10 +157,33 @@ def _auto_sampler(device: str) -> str:
 
 @config_app.command("show")
 def config_show(
-    preset: PresetOption = None, config_file: ConfigFileOption = None, overrides: SetOption = None
+    preset: PresetOption = None,
+    config_file: ConfigFileOption = None,
+    overrides: SetOption = None,
+    explain: Annotated[
+        bool,
+        typer.Option(
+            "--explain",
+            help="Instead of YAML, every key with its value, type, default (* where the value "
+            "differs) and meaning (docs/configuration.md).",
+        ),
+    ] = False,
+    key: Annotated[
+        str | None,
+        typer.Option("--key", help="With --explain: only this key or the keys under it."),
+    ] = None,
 ) -> None:
-    """Print the resolved config as YAML (a file that --config reads back)."""
-    typer.echo(dump_yaml(_resolve_config(preset, config_file, overrides)), nl=False)
+    """Print the resolved config as YAML (a file that --config reads back), or explained."""
+    if key is not None and not explain:
+        fail("--key: only with --explain")
+    cfg = _resolve_config(preset, config_file, overrides)
+    if not explain:
+        typer.echo(dump_yaml(cfg), nl=False)
+        return
+    text = explain_config(cfg, key or "")
+    if not text:
+        fail(f"--key: no config key {key} or keys under it; the sections: {', '.join(sections())}")
+    typer.echo(text, nl=False)
 
 
 @app.command()

@@ -150,6 +150,7 @@ def _describe(hint: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
     names = {type(None): "null", float: "a number", int: "an integer", bool: "true or false"}
+    names[object] = "any value"
     return names.get(hint) or ("a string" if hint is str else f"a mapping of {hint.__name__}")
 
 
@@ -235,6 +236,14 @@ class ModelConfig(_Config):
     """Builtin models: this saved tokenizer folder (a run's `tokenizer/`) instead of one built for
     the run, so that runs on different environments share a vocabulary (a distillation's
     teachers and student)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's: the template itself, or the path of
+    a file holding one (a value that names an existing file is read; a relative path is from
+    the working directory). A template without a system role gets the system text at the head
+    of the first user turn. Null: the tokenizer's own."""
+    chat_template_kwargs: dict[str, object] | None = None
+    """Extra variables for every render of the chat template, e.g. `{enable_thinking: false}`
+    for Qwen3. Null: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -242,6 +251,9 @@ class ModelConfig(_Config):
         self._require(named, "name_or_path", "a model folder, a hub id or 'builtin:tiny-qwen3'")
         if self.tokenizer_path is not None:
             self._require(bool(self.tokenizer_path.strip()), "tokenizer_path", "a folder or null")
+        if self.chat_template is not None:
+            blank = not self.chat_template.strip()
+            self._require(not blank, "chat_template", "a Jinja template, a file or null")
         self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
         self._at_least(128, "vocab_size")
         # Built-in model sizes at about 4x the largest open models (width 16k, MLP 53k, 126

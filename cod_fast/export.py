@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +38,7 @@ from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
 from cod_fast.model import BUILTIN_TINY, load_policy, resolve_dtype
 from cod_fast.policy import Policy
+from cod_fast.rollout.chat import read_template
 from cod_fast.tokenizer import load_saved_tokenizer
 
 RUN_CONFIG = "cod_fast_run.yaml"
@@ -145,6 +147,11 @@ def export_model(
     )
     load_model_state(Policy(model), weights, one_process)
     model.set_attn_implementation("sdpa")
+    if cfg.model.chat_template is not None:
+        # The run's template goes into the exported tokenizer, so the folder renders prompts as
+        # the run did wherever it is loaded (the template's file need not travel with it).
+        tokenizer.chat_template = read_template(cfg.model.chat_template)
+        cfg = replace(cfg, model=replace(cfg.model, chat_template=None))
     with _replacing(out) as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)

@@ -78,11 +78,12 @@ def load_player(
         o["settings"] = dataclasses.replace(
             o["settings"], max_response_tokens=o["max_response_tokens"]
         )
-        policy, tokenizer = load_policy(*_policy_config(folder, run))
+        model_cfg, device = _policy_config(folder, run)
+        policy, tokenizer = load_policy(model_cfg, device)
     sampler = TorchSampler(
         policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
     )
-    return o, sampler, ChatFormat(tokenizer)
+    return o, sampler, ChatFormat.for_model(tokenizer, model_cfg)
 
 
 def _policy_config(folder: Path, run) -> tuple[ModelConfig, str]:

@@ -293,13 +293,14 @@ def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
             "); repair or remove that folder, or set runtime.run_dir to a new one",
         ) from None
     pack = make_packs(pack_seeds(split, 1, train.seed), rollout.tasks_per_pack, strategy)[0]
+    chat = ChatFormat.for_model(tokenizer, cfg.model)
     prompts = {}  # the longest first prompt over the run's environments
     for env in envs:
         task = env.task(pack.pack_seed, pack.task_indices[0])
         system = PROMPT_STYLES[rollout.prompt_style].solve_system(
             task.prompt(), context_line(None, first_task=True)
         )
-        prompts[env.name] = len(ChatFormat(tokenizer).first_prompt(system, task.reset()))
+        prompts[env.name] = len(chat.first_prompt(system, task.reset()))
     name = max(prompts, key=prompts.__getitem__)
     where = f" ({name})" if len(envs) > 1 else ""
     prompt = prompts[name]

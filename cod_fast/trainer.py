@@ -182,7 +182,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = run_tokenizer(cfg, self.envs, self.settings, self.ctx.is_main)
         model, self.tokenizer = self._load_model(self.master_dtype)
-        self.chat = ChatFormat(self.tokenizer)
+        self.chat = ChatFormat.for_model(self.tokenizer, cfg.model)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
         self.samplers = build_samplers(cfg, model, self.tokenizer, self.ctx, run_eval_sampling(cfg))
         self.sampler = self.samplers.train
