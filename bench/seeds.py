@@ -17,12 +17,14 @@ DIR/seeds.csv, and as the last stdout line one JSON object.
 from __future__ import annotations
 
 import argparse
+import difflib
 import time
 from pathlib import Path
 
 from cod_fast.bench.kernels import emit_summary
 from cod_fast.bench.rl_effect import evaluations, fmt_spread, spread, train_process
 from cod_fast.bench.train import _append_csv, _print_table, run_meta
+from cod_fast.presets import PRESETS
 
 LABELS = ("start", "after warm start", "end")
 
@@ -100,14 +102,33 @@ def _rows(results: dict) -> list[dict]:
     return rows
 
 
+def _check_presets(parser, presets: list[str]) -> None:
+    """Every --preset a named preset: a typo ends the command before any run starts with one
+    line naming the closest preset and the list, exit code 2 (as `cod-fast` reports bad input),
+    not a failed train process per seed and a traceback."""
+    for name in presets:
+        if name not in PRESETS:
+            close = difflib.get_close_matches(name, PRESETS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            choices = ", ".join(PRESETS)
+            parser.exit(2, f"error: --preset: unknown {name!r}{hint}; choose from {choices}\n")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", dest="presets", action="append", default=[])
+    parser.add_argument(
+        "--preset",
+        dest="presets",
+        action="append",
+        default=[],
+        help=f"preset to run, repeatable: {', '.join(PRESETS)} (default tiny-cpu)",
+    )
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     parser.add_argument("--out", default="bench/results/seeds")
     args = parser.parse_args(argv)
     args.presets = args.presets or ["tiny-cpu"]
+    _check_presets(parser, args.presets)
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     results = run(args)
     rows = _rows(results)

@@ -8,6 +8,10 @@ from typing import Annotated
 
 import typer
 
+from cod_fast.bench.contenders import CASES, CONTENDERS
+from cod_fast.bench.kernels import DEFAULT_CASES
+from cod_fast.presets import PRESETS
+
 SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a field, e.g. --set algo.loss.kl=k3 (repeatable)."),
@@ -32,12 +36,13 @@ def bench_kernels(
     cases: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated cases (dense, cod-packed, wide-vocab, h100); default all."
+            help=f"Comma-separated cases ({', '.join(CASES)}); default all but "
+            f"{', '.join(c for c in CASES if c not in DEFAULT_CASES)}."
         ),
     ] = None,
     impls: Annotated[
         str | None,
-        typer.Option(help="Comma-separated contenders (eager, torch, cpp, triton, liger, ...)."),
+        typer.Option(help=f"Comma-separated contenders ({', '.join(CONTENDERS)}); default all."),
     ] = None,
     reps: Annotated[int | None, typer.Option(help="Timed repetitions (median, p20, p80).")] = None,
     warmup: Annotated[int | None, typer.Option(help="Untimed calls before timing.")] = None,
@@ -67,6 +72,13 @@ def bench_train(
     grad_ckpt: Annotated[
         bool, typer.Option("--grad-ckpt", help="Gradient checkpointing per layer, both sides.")
     ] = False,
+    plain_modules: Annotated[
+        bool,
+        typer.Option(
+            "--plain-modules",
+            help="transformers' own MLPs and norms instead of cod_fast.lean's, both sides.",
+        ),
+    ] = False,
 ) -> None:
     """Time a training step (fused loss vs logits + eager) and count prefix merging's savings
     (cod_fast.bench.train)."""
@@ -74,7 +86,8 @@ def bench_train(
 
     options = {"sections": sections, "reps": reps, "warmup": warmup, "tokens": tokens}
     options |= {"packs": packs, "device": device, "out": out, "jobs": jobs}
-    train.main(_bench_argv(options) + ["--tiny"] * tiny + ["--grad-ckpt"] * grad_ckpt)
+    flags = ["--tiny"] * tiny + ["--grad-ckpt"] * grad_ckpt + ["--plain-modules"] * plain_modules
+    train.main(_bench_argv(options) + flags)
 
 
 @bench_app.command("sampler")
@@ -226,7 +239,8 @@ def bench_rl_effect(
 @bench_app.command("seeds")
 def bench_seeds(
     preset: Annotated[
-        list[str] | None, typer.Option(help="Preset to run (repeatable) [tiny-cpu].")
+        list[str] | None,
+        typer.Option(help=f"Preset to run (repeatable): {', '.join(PRESETS)} \\[tiny-cpu]."),
     ] = None,
     seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds [0,1,2].")] = None,
     overrides: SetOption = None,

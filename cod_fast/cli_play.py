@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -32,7 +33,7 @@ def _print_positions(title: str, label: str, rows: dict) -> None:
     Console().print(table)
 
 
-EnvSizeOption = Annotated[str, typer.Option("--size", help="full (SPEC sizes) or tiny.")]
+EnvSizeOption = Annotated[str, typer.Option("--size", help="full (the specified sizes) or tiny.")]
 EnvArgument = Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")]
 
 
@@ -132,7 +133,7 @@ EnvOption = Annotated[
 ]
 PacksOption = Annotated[int | None, typer.Option(help="Packs per environment and strategy [32].")]
 TasksOption = Annotated[int | None, typer.Option(help="Tasks per pack (K) [4].")]
-SizeOption = Annotated[str | None, typer.Option(help="full (SPEC sizes) or tiny [full].")]
+SizeOption = Annotated[str | None, typer.Option(help="full (the specified sizes) or tiny [full].")]
 EvalSettingOption = Annotated[str | None, typer.Option(help="train or eval (harder) [eval].")]
 MaxTokensOption = Annotated[int | None, typer.Option(help="Cap per response [512].")]
 TemperatureOption = Annotated[float | None, typer.Option(help="Sampling temperature [1].")]
@@ -182,6 +183,48 @@ def _check_packs(packs: int | None) -> None:
 
 def _to_stderr(line: str) -> None:
     typer.echo(line, err=True)
+
+
+class _Working:
+    """Progress of the long calls of `eval` and `rollout` (loading a model, evaluating, playing
+    packs), which report none of their own. On stderr, so that stdout stays the results (a pipe
+    of `rollout --json`): on a terminal a pulsing bar labelled with the stage and the time so
+    far (log lines print above it), elsewhere one line per stage and one when all is done."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = Console(stderr=True)
+        self.plain = not self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=self.plain,
+            transient=True,
+            redirect_stdout=False,
+        )
+        self.task = self.progress.add_task("", total=None)
+        self.started = time.monotonic()
+
+    def __enter__(self) -> _Working:
+        self.progress.start()
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        self.progress.stop()
+        if kind is None:
+            self._line(f"done in {time.monotonic() - self.started:.1f} s")
+
+    def stage(self, what: str) -> None:
+        """The work turns to `what` (loading a model, evaluating, ...)."""
+        self.progress.update(self.task, description=what)
+        if self.plain:
+            self._line(f"{what}...")
+
+    def _line(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 ModelsOption = Annotated[
@@ -258,17 +301,25 @@ def eval_command(
         return
     if len(model) > 1 or len(env or ()) > 1:
         fail("several --model or --env need --matrix; without it: one model, one environment")
-    o, sampler, chat = _model_play(model[0], flags | {"env": env[0] if env else None})
-    envs = (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
-    plan = EvalPlan(
-        envs=envs,
-        strategies=strategies,
-        setting=o["setting"],
-        size=o["size"],
-        packs=o["packs"],
-        tasks=o["tasks"],
-    )
-    report = evaluate(sampler, chat, plan, o["settings"], out)
+    with _Working() as working:
+        working.stage(f"loading {model[0]}")
+        o, sampler, chat = _model_play(model[0], flags | {"env": env[0] if env else None})
+        envs = (
+            (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
+        )
+        plan = EvalPlan(
+            envs=envs,
+            strategies=strategies,
+            setting=o["setting"],
+            size=o["size"],
+            packs=o["packs"],
+            tasks=o["tasks"],
+        )
+        working.stage(
+            f"evaluating on {', '.join(envs)} ({', '.join(strategies)}): {o['packs']} packs "
+            f"of {o['tasks']} tasks each"
+        )
+        report = evaluate(sampler, chat, plan, o["settings"], out)
     rows = {
         f"{name} / {strategy}": summary
         for name, by_strategy in report["summaries"].items()
@@ -286,10 +337,13 @@ def _eval_matrix(
     from cod_fast.matrix import evaluate_matrix
 
     play = {k: v for k, v in flags.items() if k != "env"}
-    try:
-        result = evaluate_matrix(models, envs, strategies, out_dir=out, log=_to_stderr, **play)
-    except bad_model_input() as e:
-        fail(str(e))
+    cells = f"{len(envs)} environment(s) x {len(strategies)} strategies"
+    with _Working() as working:
+        working.stage(f"evaluating {len(models)} model(s) on {cells}")
+        try:
+            result = evaluate_matrix(models, envs, strategies, out_dir=out, log=_to_stderr, **play)
+        except bad_model_input() as e:
+            fail(str(e))
     table = Table(title="cross-domain matrix (± one standard error over packs)")
     for column in ("model", "env / strategy", "CoD gain ± se", "last position ± se"):
         table.add_column(column, justify="right" if "±" in column else "left")
@@ -335,10 +389,15 @@ def rollout_command(
     from cod_fast.transcript import print_rollout, rollout_record
 
     _check_packs(count)
-    o, sampler, chat = _model_play(model, _play_flags(locals()))
-    environment = make_env(o["env"], o["setting"], o["size"])
-    played = make_packs(pack_seeds("eval", count), o["tasks"])
-    rollouts = RolloutDriver(environment, sampler, chat, o["settings"]).run(played, group_size=1)
+    flags = _play_flags(locals())
+    with _Working() as working:
+        working.stage(f"loading {model}")
+        o, sampler, chat = _model_play(model, flags)
+        environment = make_env(o["env"], o["setting"], o["size"])
+        played = make_packs(pack_seeds("eval", count), o["tasks"])
+        working.stage(f"playing {count} packs of {o['tasks']} tasks in {o['env']}")
+        driver = RolloutDriver(environment, sampler, chat, o["settings"])
+        rollouts = driver.run(played, group_size=1)
     console = Console()
     for rollout in rollouts:
         record = rollout_record(rollout, chat.tokenizer)

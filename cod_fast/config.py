@@ -3,7 +3,7 @@ it are cod_fast.presets).
 
 Every config class checks its fields against their type hints (``_Config``) and adds its own range
 checks; an error names the dotted field, the bad value and what is allowed. The loss fields are the
-knobs of SPEC.md section 4. How a run's config is resolved from a preset, a YAML file and
+knobs of docs/concepts.md section 4. How a run's config is resolved from a preset, a YAML file and
 ``a.b.c=value`` overrides is cod_fast.config_io.
 """
 
@@ -156,7 +156,7 @@ def _describe(hint: Any) -> str:
 
 @dataclass(kw_only=True)
 class LossConfig(_Config):
-    """The policy loss over packed, segmented tokens (SPEC.md section 4)."""
+    """The policy loss over packed, segmented tokens (docs/concepts.md section 4)."""
 
     policy: PolicyLoss = "ppo"
     """GRPO-clipped `ppo`, one-side REC (`rec_one_side`, CoD runs; `_is` weights by the ratio), or
@@ -396,7 +396,7 @@ class RolloutConfig(_Config):
 
 @dataclass(kw_only=True)
 class AlgoConfig(_Config):
-    """Credit assignment (SPEC.md section 3) and the policy loss."""
+    """Credit assignment (docs/concepts.md section 3) and the policy loss."""
 
     algorithm: Literal["cod", "task_by_task"] = "cod"
     """CoD returns over the pack, or the task-by-task GRPO baseline without update episodes."""
@@ -410,7 +410,7 @@ class AlgoConfig(_Config):
     """Divide advantages by the group's standard deviation."""
     red_weight: bool | None = None
     """Adaptive re-weighting that keeps the token-weighted mean advantage >= 0; null: on for
-    `cod`, off for `task_by_task` (plain GRPO, SPEC.md section 3). `use_red_weight` is the
+    `cod`, off for `task_by_task` (plain GRPO, docs/concepts.md section 3). `use_red_weight` is the
     effective value, and `config show` prints it beside the key."""
     old_logp: Literal["bypass", "recompute"] = "bypass"
     """Take the ratio against the sampler's log-probs, or recompute them with the trainer."""

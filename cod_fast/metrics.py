@@ -1,4 +1,4 @@
-"""Per-position rewards, the CoD gain and success rates (SPEC.md section 6, Metrics), and plots.
+"""Per-position rewards, the CoD gain and success rates (docs/concepts.md section 6, Metrics), and plots.
 
 The capability cod-fast trains shows as reward rising with the task's position in a pack; the
 CoD gain is the mean reward at the last position minus the mean reward at position 0.
@@ -95,11 +95,7 @@ def plot_positions(
 ) -> Path:
     """A PNG of mean reward against pack position, one line per curve; `errors` says what the
     error bars (each curve's `std_error`) are."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on training machines
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     for label, summary in curves.items():
         packs = f", n={summary.num_packs}" if summary.num_packs else ""
@@ -118,10 +114,77 @@ def plot_positions(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+CURVES = (
+    ("reward_mean", "mean reward"),
+    ("cod_gain", "CoD gain (last position - first)"),
+    ("loss", "loss"),
+    ("kl", "KL to the reference"),
+    ("entropy", "entropy (nats per token)"),
+    ("tokens_per_s_per_device", "tokens/s per device"),
+)
+"""The metrics.jsonl fields `plot_curves` draws against step, with their panel titles."""
+EVAL_CURVES = {
+    "reward_mean": lambda e: sum(e["mean_reward"]) / len(e["mean_reward"]),
+    "cod_gain": lambda e: e["cod_gain"],
+}
+"""Panels that also show the held-out evaluations (eval.jsonl rows), and their value there."""
+
+
+def plot_curves(steps: Sequence[dict], evals: Sequence[dict], path: str | Path) -> Path:
+    """A PNG of a run's training curves against step, one panel per field of `CURVES`
+    (metrics.jsonl rows; a field a step did not log is left out), the held-out evaluations as
+    points where `EVAL_CURVES` says. The warm start is shaded: its rewards are the scripted
+    demonstrations', its loss a supervised one, neither the policy's RL numbers."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(3, 2, figsize=(10, 9), dpi=100, sharex=True)
+    warm = [r["step"] for r in steps if r.get("phase") == "warm_start"]
+    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
+        points = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker=".", label="training batches")
+        for env in sorted({e.get("env") or "" for e in evals}) if key in EVAL_CURVES else []:
+            mine = [e for e in evals if (e.get("env") or "") == env and e["mean_reward"]]
+            ax.plot(
+                [e["step"] for e in mine],
+                [EVAL_CURVES[key](e) for e in mine],
+                marker="o",
+                linestyle="--",
+                label=f"held-out eval{f' ({env})' if env else ''}",
+            )
+        if warm:
+            ax.axvspan(0.5, max(warm) + 0.5, color="grey", alpha=0.15, label="warm start")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        if key in EVAL_CURVES and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("step (warm start, then RL)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
+    """Write `fig` to `path` as a PNG and close it; atomic, so a reader never sees half a PNG."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
-    tmp.replace(path)  # atomic: a reader never sees half a PNG
+    tmp.replace(path)
     return path

@@ -1,19 +1,21 @@
 """The policy model: loading, the built-in tiny Qwen3, and hidden states of packed micro-batches.
 
 Training never computes the model's logits: `packed_hidden_states` runs the decoder only and the
-fused loss takes the hidden states of the trainable positions and the LM head weight (SPEC.md
-section 4). Packed sequences must not attend to each other (SPEC.md section 5): `load_policy`
+fused loss takes the hidden states of the trainable positions and the LM head weight (docs/concepts.md
+section 4). Packed sequences must not attend to each other (docs/concepts.md section 5): `load_policy`
 installs one of the varlen kernels of cod_fast.attention (flash-attn, torch's varlen_attn, or
 per-sequence SDPA on the CPU and for float32), which read cu_seqlens. A model with any other
 attention implementation gets a block-diagonal causal mask instead (O(T^2) memory: the reference
 the tests compare the kernels with). A model folder is checked before any weights exist
-(`load_model_files`): positive sizes in config.json, a vocabulary that holds every token id of
-its tokenizer, and weights that fit in this machine's memory at all.
+(`load_model_files`): a folder that is one (config.json and tokenizer files; a missing local path
+is not taken for a hub id), positive sizes in config.json, a vocabulary that holds every token
+id of its tokenizer, and weights that fit in this machine's memory at all.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,7 +123,8 @@ def load_policy(
 
 class ModelFolderError(ValueError):
     """A model (a folder's config.json, or the built-in model's sizes) that does not fit its
-    tokenizer or this machine: one line naming the model, the field, the values and the fix."""
+    tokenizer or this machine, or a local path that is no model folder: one line naming the
+    model, the field or the missing files, the values and the fix."""
 
 
 SIZE_FIELDS = (
@@ -139,12 +142,50 @@ ESTIMATE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers")
 """The sizes without which parameter_count makes no estimate."""
 
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "*.model", "*.tiktoken")
+"""What a transformers tokenizer reads its vocabulary from: a fast tokenizer's tokenizer.json,
+a BPE vocab.json, a WordPiece vocab.txt, a sentencepiece or a tiktoken model. A folder with
+none of them fails inside sentencepiece, or (a Qwen config.json) loads a one-token tokenizer."""
+HUB_ID_HINT = "for a hub id, write owner/name as on huggingface.co, such as Qwen/Qwen3-0.6B"
+
+
+def model_path_problem(name: str) -> str | None:
+    """Why `name`, meant as a local model folder, is none (one line naming it and the fix), or
+    None: a folder with config.json and tokenizer files, or a hub id (whether that exists only
+    the hub knows). A name is meant as local where it starts with / . or ~, has more parts than
+    a hub id's owner/name, or its parent folder exists here; transformers would take a missing
+    one for a hub id and answer with the hub's complaint about its form."""
+    if name.startswith("builtin:"):
+        return f"{name}: no such built-in model; the built-in model is {BUILTIN_TINY!r}"
+    if name.startswith("~"):
+        return f"{name}: transformers does not expand ~; write the path out in full"
+    path = Path(name)
+    if not path.exists():
+        local = name.startswith(("/", ".")) or len(path.parts) > 2
+        if local or (len(path.parts) == 2 and path.parent.is_dir()):
+            return f"{name}: no such folder (a local path that does not exist; {HUB_ID_HINT})"
+        return None
+    if not path.is_dir():
+        return f"{name}: a file; expected a model folder (config.json, tokenizer, weights)"
+    missing = [] if (path / "config.json").is_file() else ["config.json"]
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        missing.append(f"tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    if missing:
+        return (
+            f"{name}: a folder without {' and '.join(missing)}; expected a model folder as "
+            "`cod-fast export` or a model's save_pretrained writes it"
+        )
+    return None
+
+
 def load_model_files(name: str, place: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any]:
     """(config, tokenizer) of the causal LM `name` (a folder or hub id), checked against each
     other and against the memory where its weights in `dtype` would be put (`place`), before
     any weights exist: a bad size in config.json otherwise surfaces as a tensor error or a
     terabyte allocation, and a vocabulary smaller than the tokenizer's as an index error in the
     middle of sampling."""
+    if problem := model_path_problem(name):
+        raise ModelFolderError(problem)
     # Never code from a model folder: a model that needs its own Python fails with
     # transformers' message instead of asking on the terminal whether to run it.
     try:

@@ -1,4 +1,4 @@
-"""Packing rollouts into sequences and token-budgeted micro-batches (SPEC.md section 5).
+"""Packing rollouts into sequences and token-budgeted micro-batches (docs/concepts.md section 5).
 
 episodes -> `Sequence`s (one context window each; a multi-turn episode whose turns only append is
 one sequence with one trainable `Segment` per response, "prefix merging") -> `balance` assigns

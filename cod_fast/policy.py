@@ -40,7 +40,7 @@ class Policy(torch.nn.Module):
         denominator: float | None = None,
         mode: Literal["loss", "logprobs"] = "loss",
     ) -> PolicyLossOutput | torch.Tensor:
-        """`loss`: the policy loss of the micro-batch (SPEC.md section 4) with the step's
+        """`loss`: the policy loss of the micro-batch (docs/concepts.md section 4) with the step's
         `denominator`; `logprobs`: float32 log-probs [N] of its targets at the loss's temperature
         (old-policy recompute, the reference model)."""
         states = packed_hidden_states(self.model, mb)

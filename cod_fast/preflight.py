@@ -33,6 +33,7 @@ from cod_fast.model import (
     gib,
     load_model_files,
     master_dtype,
+    model_path_problem,
     resolve_dtype,
     tiny_qwen3_config,
 )
@@ -43,6 +44,7 @@ from cod_fast.rollout.driver import DriverSettings
 from cod_fast.rollout.hints import context_line
 from cod_fast.rollout.prompts import PROMPT_STYLES
 from cod_fast.rollout.vllm_sampler import head_dim, kv_bytes_per_token, kv_heads
+from cod_fast.run_log import summary_writer_class
 from cod_fast.warmstart import run_tokenizer
 
 
@@ -54,6 +56,8 @@ def preflight(cfg: Config) -> None:
     if world_size > 1:
         _environment_int("LOCAL_RANK", 0)  # the device of each rank (cod_fast.distributed)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
+    if cfg.runtime.tensorboard:
+        summary_writer_class()  # the package is there, before anything is written
     _check_model_path(cfg.model.name_or_path)
     for name, path in cfg.algo.teachers.items():
         if not Path(path).exists():
@@ -113,32 +117,17 @@ def _check_mesh(replicate: int, world_size: int) -> None:
 
 
 def _check_model_path(name: str, key: str = "model.name_or_path", builtin: bool = True) -> None:
-    """Refuse a model that is meant as a local folder (an absolute or ./ path, a path with more
-    parts than a hub id's owner/name, or anything that exists here) and is not a model folder.
-    A hub id is left alone: whether it exists is only known online. `key` is the config field;
-    `builtin` whether the built-in model may be named there."""
-    expected = "a model folder with a config.json, a hub id (owner/name)"
-    if name == BUILTIN_TINY and builtin:
-        return
-    if name.startswith("builtin:"):
-        fix = f"the built-in model is {BUILTIN_TINY!r}" if builtin else f"expected {expected}"
-        raise ConfigError(key, f"got {shown(name)}; {fix}")
-    if name.startswith("~"):
+    """Refuse a model that is meant as a local folder and is not a model folder (see
+    `model.model_path_problem`); a hub id is left alone, since whether it exists is only known
+    online. `key` is the config field; `builtin` whether the built-in model may be named there."""
+    if name == BUILTIN_TINY:
+        if builtin:
+            return
         raise ConfigError(
-            key, f"got {shown(name)}; transformers does not expand ~: write the path out in full"
+            key, f"got {shown(name)}; expected a model folder or a hub id (owner/name)"
         )
-    path = Path(name)
-    local = path.is_absolute() or name.startswith(".") or len(name.split("/")) > 2
-    if not (local or path.exists()):
-        return
-    if not path.is_dir():
-        what = "a file" if path.exists() else "no such folder"
-        alternative = f" or {BUILTIN_TINY}" if builtin else ""
-        raise ConfigError(key, f"got {shown(name)} ({what}); expected {expected}{alternative}")
-    if not (path / "config.json").is_file():
-        raise ConfigError(
-            key, f"got {shown(name)}, a folder without config.json; expected {expected}"
-        )
+    if problem := model_path_problem(name):
+        raise ConfigError(key, problem)
 
 
 def _check_model(cfg: Config):

@@ -25,7 +25,7 @@ from cod_fast.config import (
 
 
 def _tiny_cpu() -> Config:
-    # Sized after shared/TINY-CPU-FACTS.md: tiny FrozenLake, 4-task packs, a ~0.35M-parameter
+    # Sized for what a tiny model learns on a 2-core CPU (docs/benchmarks.md): tiny FrozenLake, 4-task packs, a ~0.35M-parameter
     # decoder with a BPE vocabulary trained on the environment's text, compact prompts, a warm
     # start on scripted-explorer demonstrations, then CoD RL with one-side REC and RED-weight.
     return Config(

@@ -8,6 +8,8 @@ Layout of `runtime.run_dir`:
 - `eval.jsonl`: one object per evaluation (label, step, per-position rewards on held-out packs);
 - `rewards.png`: reward against pack position (recent training steps and every evaluation),
   rewritten atomically as the run goes (after each evaluation, at most every 30 s otherwise);
+- `curves.png`: reward, CoD gain, loss, KL, entropy and tokens/s against step (the warm start
+  shaded), redrawn with `rewards.png`;
 - `tb/`: TensorBoard event files when `runtime.tensorboard` is on;
 - `checkpoints/`, `tokenizer/`: see cod_fast.checkpoint and cod_fast.trainer.
 Only the main rank writes. A last line of a log torn by a full disk or a power cut is dropped
@@ -24,13 +26,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from cod_fast.config import shown
-from cod_fast.metrics import PositionSummary, plot_positions
+from cod_fast.config import ConfigError, shown
+from cod_fast.metrics import PositionSummary, plot_curves, plot_positions
 
 RECENT_STEPS = 5
 """Training steps averaged into the plot's training curve."""
 PLOT_EVERY_S = 30.0
-"""A step redraws the plot at most this often (a redraw costs ~0.1 s; tiny steps take less)."""
+"""A step redraws the plots at most this often (a redraw of both costs ~0.5 s; tiny steps take
+less)."""
 
 
 class RunLogError(ValueError):
@@ -87,6 +90,21 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     tmp.replace(path)
 
 
+def summary_writer_class() -> type:
+    """torch's TensorBoard SummaryWriter, for `runtime.tensorboard`; without the tensorboard
+    package (an optional extra) a ConfigError naming both fixes, not an ImportError from inside
+    torch."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ConfigError(
+            "runtime.tensorboard",
+            f"true needs the tensorboard package ({e}); pip install tensorboard, "
+            "or set runtime.tensorboard=false",
+        ) from None
+    return SummaryWriter
+
+
 class RunLog:
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = False):
         self.dir = Path(run_dir)
@@ -98,9 +116,7 @@ class RunLog:
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
-
-                self.writer = SummaryWriter(str(self.dir / "tb"))
+                self.writer = summary_writer_class()(str(self.dir / "tb"))
 
     def write_config(self, text: str) -> None:
         if self.enabled:
@@ -156,10 +172,14 @@ class RunLog:
 
     def plot(self) -> None:
         """Reward by pack position: the mean of the last few training steps, and each eval;
-        in a run with several environments also one plot per environment (`rewards-ENV.png`)."""
+        in a run with several environments also one plot per environment (`rewards-ENV.png`);
+        and the training curves against step (`curves.png`)."""
         self.plotted_at = time.monotonic()
-        steps = [r for r in _read_jsonl(self.metrics_path)[0] if "reward_by_position" in r]
+        records = _read_jsonl(self.metrics_path)[0]
         evals = self.evaluations()
+        if records or evals:
+            plot_curves(records, evals, self.dir / "curves.png")
+        steps = [r for r in records if "reward_by_position" in r]
         envs = sorted({r["env"] for r in evals if r.get("env")})
         self._plot(steps, evals, "", self.dir / "rewards.png")
         for env in envs if len(envs) > 1 else []:

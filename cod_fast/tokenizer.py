@@ -88,6 +88,12 @@ def load_saved_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
 
     The concrete fast class reads tokenizer.json and its JSON settings; AutoTokenizer would also
     follow an `auto_map` in a folder someone else wrote to Python code there, and ask on the
-    terminal whether to run it.
+    terminal whether to run it. A folder without tokenizer.json is refused in one line naming
+    it; transformers would fail inside sentencepiece, on a slow tokenizer it cannot convert.
     """
+    if not (Path(folder) / "tokenizer.json").is_file():
+        what = "no tokenizer.json there" if Path(folder).exists() else "no such folder"
+        raise ValueError(
+            f"{folder}: {what}; expected a tokenizer folder that a run saved (its tokenizer/)"
+        )
     return PreTrainedTokenizerFast.from_pretrained(folder)

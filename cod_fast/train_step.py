@@ -1,4 +1,4 @@
-"""One optimizer step of policy training over packed micro-batches (SPEC.md sections 4-5).
+"""One optimizer step of policy training over packed micro-batches (docs/concepts.md sections 4-5).
 
 Each micro-batch goes through `Policy.forward` (decoder -> hidden states of the trainable
 positions -> fused loss with the LM head) with the step's global denominator, so gradient

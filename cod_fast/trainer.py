@@ -63,7 +63,7 @@ from cod_fast.envs import make_env
 from cod_fast.envs.packs import PackSpec, draw_env, make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
 from cod_fast.init_from import initial_weights
-from cod_fast.metrics import summarize_rollouts
+from cod_fast.metrics import PositionSummary, summarize_rollouts
 from cod_fast.model import load_policy, master_dtype, resolve_dtype
 from cod_fast.ops import aggregation_denominator
 from cod_fast.ops.loss_terms import SAMPLER_GAP
@@ -110,6 +110,24 @@ class Update:
     error: str = ""
     teacher: list[dict[str, float]] = field(default_factory=list)
     """The teachers' metrics of each mini-batch (cod_fast.teachers.Teachers.score)."""
+
+
+@dataclass(frozen=True)
+class EvalProgress:
+    """Where an evaluation stands, for a progress display: reported as each of its parts (one
+    per environment, and per mode in a task-by-task run) starts, and again with its result."""
+
+    label: str
+    """The evaluation's label in eval.jsonl (`start`, `rl step 20`, ...)."""
+    step: int
+    env: str
+    packs: int
+    """Eval packs of this part."""
+    done: int
+    """Parts finished so far, this one included once `summary` is set."""
+    parts: int
+    summary: PositionSummary | None = None
+    """The finished part's result; None as it starts."""
 
 
 def _mean(values: list[float]) -> float:
@@ -200,6 +218,7 @@ class Trainer:
         self.step = 0
         self.stop_requested = False
         self.stop_signal: int | None = None
+        self.on_eval: Callable[[EvalProgress], None] | None = None
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -239,12 +258,17 @@ class Trainer:
     # --- the run -------------------------------------------------------------------------------
 
     def run(
-        self, resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None
+        self,
+        resume: bool = False,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_eval: Callable[[EvalProgress], None] | None = None,
     ) -> dict[str, Any]:
         """Train to the end, or until SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption),
         either of which finishes the step and checkpoints first; returns a summary with every
-        evaluation of the run and the signal that stopped it, if one did."""
+        evaluation of the run, the signal that stopped it, if one did, and the run directory.
+        `on_step` gets each step's metrics record, `on_eval` each evaluation's progress."""
         started = time.perf_counter()
+        self.on_eval = on_eval
         self._restore_or_start(resume)
         self._sync_sampler()
         if self.step == 0:
@@ -264,6 +288,7 @@ class Trainer:
             "signal": self.stop_signal,
             "seconds": time.perf_counter() - started,
             "evals": self.log.evaluations() if self.ctx.is_main else [],
+            "run_dir": str(self.run_dir),
         }
 
     def _loop(self, on_step: Callable[[dict[str, Any]], None] | None) -> None:
@@ -485,11 +510,23 @@ class Trainer:
         modes = {label: run_eval_settings(cfg)}
         if self.settings.mode != "cod":
             modes[f"{label} (own mode)"] = self.settings
-        for name, settings in modes.items():
-            for plan in run_eval_plans(cfg):
-                report = evaluate(self.samplers.eval, self.chat, plan, settings, ctx=self.ctx)
-                (env,) = plan.envs
-                self.log.evaluation(name, self.step, report["summaries"][env]["cod"], env=env)
+        parts = [
+            (name, settings, plan)
+            for name, settings in modes.items()
+            for plan in run_eval_plans(cfg)
+        ]
+        for done, (name, settings, plan) in enumerate(parts):
+            (env,) = plan.envs
+            progress = EvalProgress(name, self.step, env, plan.packs, done, len(parts))
+            self._report_eval(progress)
+            report = evaluate(self.samplers.eval, self.chat, plan, settings, ctx=self.ctx)
+            summary = report["summaries"][env]["cod"]
+            self.log.evaluation(name, self.step, summary, env=env)
+            self._report_eval(dataclasses.replace(progress, done=done + 1, summary=summary))
+
+    def _report_eval(self, progress: EvalProgress) -> None:
+        if self.on_eval is not None:
+            self.on_eval(progress)
 
     def _checkpoint(self) -> None:
         rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}

@@ -1,7 +1,7 @@
 """Fused LM-head GEMM + online log-sum-exp: per-token log-probs without any [N, V] buffer.
 
 The no-grad paths (recomputing old / reference log-probs, evaluation) need only
-logp_t = x_t[y_t] - lse(x_t) and optionally H_t for x_t = h_t W^T / T (SPEC.md section 4:
+logp_t = x_t[y_t] - lse(x_t) and optionally H_t for x_t = h_t W^T / T (docs/concepts.md section 4:
 temperature divides the logits; statistics in float32 whatever the operand dtype). Here the
 logits exist one [BLOCK_N, BLOCK_V] register tile at a time: each program owns a block of tokens
 and one split of the vocabulary, forms every logit tile of its split with tl.dot (float32

@@ -1,4 +1,4 @@
-"""The CoD advantage of SPEC.md section 3 against float64 hand computations."""
+"""The CoD advantage of docs/concepts.md section 3 against float64 hand computations."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from cod_fast.algo.advantages import (
 
 
 def loop_returns(r, h, style="mean", window=None, gamma=None):
-    """SPEC.md section 3 written as loops over python floats."""
+    """docs/concepts.md section 3 written as loops over python floats."""
 
     def reduce(x):
         if style == "mean":
@@ -66,7 +66,7 @@ def test_cod_returns_window_and_discount_examples():
     gamma=st.floats(0.05, 1.0),
 )
 def test_cod_returns_match_loops(group, tasks, seed, style, window, gamma):
-    """Every return style equals the loop form of SPEC.md section 3 on random rewards."""
+    """Every return style equals the loop form of docs/concepts.md section 3 on random rewards."""
     g = torch.Generator().manual_seed(seed)
     r = torch.rand(group, tasks, generator=g, dtype=torch.float64)
     h = -0.1 * (torch.rand(group, tasks - 1, generator=g, dtype=torch.float64) < 0.3)

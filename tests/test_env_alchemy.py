@@ -1,4 +1,4 @@
-"""Alchemy-Random (SPEC.md section 6): determinism, the hidden recipe graph, settings, scripted
+"""Alchemy-Random (docs/concepts.md section 6): determinism, the hidden recipe graph, settings, scripted
 agents and action parsing."""
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def test_every_map_has_a_safe_path_within_budget(size, setting):
 
 
 def test_train_eval_and_tiny_knobs():
-    """SPEC section 6 sizes: full train 4-5 wide, 6 env / 8 agent steps, frozen probability
+    """The specified sizes: full train 4-5 wide, 6 env / 8 agent steps, frozen probability
     0.6-0.7; full eval 6-7 wide, 8 / 10 steps; tiny a 3x3 lake with one hole, the goal two moves
     away and 3 steps; tiny eval is larger than tiny train."""
     full_train, full_eval = SHAPES[("full", "train")], SHAPES[("full", "eval")]

@@ -18,7 +18,7 @@ from cod_fast.envs.base import MAX_ACTION_CHARS, Task
 # Generous for a shared 2-core machine: a linear parser reads a megabyte in milliseconds, and the
 # quadratic patterns this replaces took 7 to 11 s on 16K digits or 128K characters of tags.
 STEP_SECONDS = 0.5
-# Rewards are in [0, 1] or another bounded scale (SPEC.md section 1); optimal control's
+# Rewards are in [0, 1] or another bounded scale (docs/concepts.md section 1); optimal control's
 # unparsable answer is -0.1.
 REWARD_RANGE = (-1.0, 1.0)
 

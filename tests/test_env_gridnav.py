@@ -63,7 +63,7 @@ def test_cost_map_shared_within_pack_and_differs_across_packs(size, setting):
 
 
 def test_train_eval_and_tiny_knobs():
-    """SPEC section 6 sizes: full train 8-12 wide with 4 hills, eval 10-14 wide with 5 hills,
+    """The specified sizes: full train 8-12 wide with 4 hills, eval 10-14 wide with 5 hills,
     N in [3, 5]; tiny a 5x5 map with 2 hills and N = 3; the drawn maps and tasks follow them."""
     assert (SHAPES[("full", "train")].sides, SHAPES[("full", "train")].hills) == ((8, 12), 4)
     assert (SHAPES[("full", "eval")].sides, SHAPES[("full", "eval")].hills) == ((10, 14), 5)

@@ -1,4 +1,4 @@
-"""Optimal control with hidden dynamics (SPEC.md section 6): rule, scoring, agents, junk input."""
+"""Optimal control with hidden dynamics (docs/concepts.md section 6): rule, scoring, agents, junk input."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_deterministic_given_seeds(setting, size):
 
 
 def test_hidden_rule_shared_within_pack_and_varies_across_packs():
-    """Every task of a pack has the same (a, b), drawn in the SPEC ranges; packs differ, and
+    """Every task of a pack has the same (a, b), drawn in the specified ranges; packs differ, and
     both signs of b occur."""
     env = OptimalControlEnv("train", "full")
     rules = []

@@ -1,4 +1,4 @@
-"""PDE discovery (SPEC.md section 6): hidden reaction term, tools, scoring, agents, junk input."""
+"""PDE discovery (docs/concepts.md section 6): hidden reaction term, tools, scoring, agents, junk input."""
 
 from __future__ import annotations
 

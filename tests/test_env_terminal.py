@@ -1,4 +1,4 @@
-"""Terminal (SPEC.md section 6): determinism, the hidden dialect, settings, scoring, scripted
+"""Terminal (docs/concepts.md section 6): determinism, the hidden dialect, settings, scoring, scripted
 agents, action parsing, and a shell that never leaves memory."""
 
 from __future__ import annotations

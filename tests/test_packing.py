@@ -1,4 +1,4 @@
-"""Tests for cod_fast.records and cod_fast.packing (SPEC.md section 5)."""
+"""Tests for cod_fast.records and cod_fast.packing (docs/concepts.md section 5)."""
 
 from __future__ import annotations
 
@@ -288,7 +288,7 @@ def test_segments_hold_turn_responses_and_logprobs(seed, merge):
 def test_layouts_give_every_token_the_same_context(seed):
     """Merged and per-turn layouts: each trainable token reads the same context and target.
 
-    This is the packing half of SPEC.md's layout invariant (same loss and gradients).
+    This is the packing half of docs/concepts.md's layout invariant (same loss and gradients).
     """
     episodes = make_episodes(seed, 3)
     merged = _token_views(rollout_sequences(episodes, merge_prefix=True))

@@ -197,7 +197,7 @@ def test_task_by_task_advantages_assigned_per_task():
 )
 def test_red_weight_runs_by_default_for_cod_only(monkeypatch, algorithm, setting, runs):
     """RED-weight left unset runs for CoD and not for the task-by-task baseline (plain GRPO,
-    SPEC.md 3); asked for explicitly, it runs for task-by-task too."""
+    docs/concepts.md 3); asked for explicitly, it runs for task-by-task too."""
     import cod_fast.algo.assign as assign
 
     calls = []

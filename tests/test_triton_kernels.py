@@ -1,5 +1,5 @@
 """Triton kernels (cod_fast.kernels) against float64 torch: the row kernels and the fused
-LM-head log-prob kernel (SPEC.md section 4).
+LM-head log-prob kernel (docs/concepts.md section 4).
 
 On a machine without CUDA the kernels run under TRITON_INTERPRET=1 at small sizes; with CUDA the
 same tests run compiled. The ground truth is float64 torch (log_softmax, autograd through the

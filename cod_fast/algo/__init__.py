@@ -1,1 +1,1 @@
-"""Credit assignment for CoD rollouts (SPEC.md section 3)."""
+"""Credit assignment for CoD rollouts (docs/concepts.md section 3)."""

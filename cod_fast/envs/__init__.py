@@ -1,4 +1,4 @@
-"""CoD environments (SPEC.md section 6) and their registry.
+"""CoD environments (docs/concepts.md section 6) and their registry.
 
 Environments load lazily by name, so importing the package stays cheap and one broken
 environment cannot break the others.

@@ -1,15 +1,15 @@
-"""Alchemy-Random (SPEC.md section 6): discover a hidden recipe graph and craft a target element.
+"""Alchemy-Random (docs/concepts.md section 6): discover a hidden recipe graph and craft a target element.
 
 The hidden rule of a pack is a random recipe graph. Base elements (tier 0) combine pairwise into
 higher tiers: an element of tier t has exactly one recipe, one ingredient of tier t - 1 and one of
 any lower tier, so its tier is 1 + the highest ingredient tier. Every other pair makes nothing.
 Names are random opaque tokens, so nothing can be guessed from them. Each task of a pack asks for
 a different target in the same graph; one action is one combination, `<answer>A + B</answer>`.
-Reward is 1 when the target is made within the round budget, else 0 (SPEC gives no partial
-credit for this environment, so none is invented here).
+Reward is 1 when the target is made within the round budget, else 0 (the environment defines no
+partial credit, so none is invented here).
 
-Settings. SPEC's "3-4 tiers" count the base as tier 0, so train and eval have 2-3 tiers of made
-elements (tiny's "2 tiers" are the base and one made tier):
+Settings. The specified "3-4 tiers" count the base as tier 0, so train and eval have 2-3 tiers of
+made elements (tiny's "2 tiers" are the base and one made tier):
 - train: 8 rounds, 3-4 base elements, unlimited materials (an element once owned stays owned);
   targets are tier 2+ and need at most 6 combinations;
 - eval: 15 rounds, 4-6 base elements, limited materials (4 units of every base element; a

@@ -1,4 +1,4 @@
-"""What every CoD environment provides (SPEC.md section 6), and scripted play over a pack.
+"""What every CoD environment provides (docs/concepts.md section 6), and scripted play over a pack.
 
 An environment turns (pack_seed, task_index) into a `Task`: a small text game whose hidden rule
 comes from pack_seed alone, so every task of a pack shares it and packs differ. A task states

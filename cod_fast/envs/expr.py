@@ -1,4 +1,4 @@
-"""A safe parser and evaluator for model-written formulas (SPEC.md section 6: "Expressions are
+"""A safe parser and evaluator for model-written formulas (docs/concepts.md section 6: "Expressions are
 parsed by a safe evaluator, never by eval()").
 
 The optimal-control environment reads a feedback law u(x, v, t) and PDE discovery reads a

@@ -1,4 +1,4 @@
-"""FrozenLake-Obscure (SPEC.md section 6): walk a frozen lake to the goal with scrambled controls.
+"""FrozenLake-Obscure (docs/concepts.md section 6): walk a frozen lake to the goal with scrambled controls.
 
 Each task is a small grid with a start, a goal and holes. The four actions `Direction 1` ..
 `Direction 4` each move the agent one cell, but which of up/down/left/right each number means is
@@ -6,10 +6,10 @@ a permutation drawn per pack: that is the hidden rule, shared by every task of a
 the goal scores 1; falling into a hole or spending the step budget scores 0. Moving into the edge
 of the map keeps the agent in place (and says so), which itself tells which way the action points.
 
-Sizes: `full` follows the SPEC (train 4-5 wide, frozen-tile probability 0.6-0.7, a safe path of
+Sizes: `full` is the specified size (train 4-5 wide, frozen-tile probability 0.6-0.7, a safe path of
 at most 6 moves and 8 actions; eval 6-7 wide, 8 moves and 10 actions) and shows the map as text
 rows. `tiny` is what a ~0.35M-parameter model learns on a 2-core CPU in about ten minutes
-(/work/shared/TINY-CPU-FACTS.md; measured for the `tiny-cpu` preset): a 3x3 lake with one hole,
+(measured for the `tiny-cpu` preset; docs/benchmarks.md): a 3x3 lake with one hole,
 the goal two moves away, 3 actions, and a compact observation (`pos 1 2`) with the goal and hole
 positions in the prompt. With a 4-move path and 5 actions the same model, warm-started for ten
 minutes, learned the format but not the use of hints (no rise with pack position); with the
@@ -238,7 +238,7 @@ class FrozenLakeTask(Task):
 
 
 class FrozenLakeEnv(Environment):
-    """FrozenLake with a per-pack permutation of the four directions (SPEC.md section 6)."""
+    """FrozenLake with a per-pack permutation of the four directions (docs/concepts.md section 6)."""
 
     name = "frozenlake"
     description = "Reach the goal on a frozen lake; what each of the four actions does is hidden."

@@ -1,4 +1,4 @@
-"""Grid navigation (SPEC.md section 6): cross a hidden cost map in exactly N rook moves.
+"""Grid navigation (docs/concepts.md section 6): cross a hidden cost map in exactly N rook moves.
 
 A pack shares one cost map, a sum of Gaussian hills whose centres, heights and widths come from
 pack_seed: that is the hidden rule. Each task has its own start, goal and move count N (3-5). A
@@ -13,7 +13,7 @@ the cells it saw in its hints, one digit (cost // 10) per cell, `?` where unknow
 here is a lower paid cost, not more successes (the explorer always reaches the goal), so it is
 smaller than on environments where the rule decides success.
 
-Sizes: `full` follows the SPEC (train 8-12 wide with 4 hills, eval 10-14 wide with 5 hills);
+Sizes: `full` is the specified size (train 8-12 wide with 4 hills, eval 10-14 wide with 5 hills);
 `tiny` is a 5x5 map with 2 hills and N = 3, with one-digit costs and one-line observations.
 """
 
@@ -274,7 +274,7 @@ class GridNavTask(Task):
 
 
 class GridNavEnv(Environment):
-    """Rook moves over a pack-wide hidden cost map (SPEC.md section 6)."""
+    """Rook moves over a pack-wide hidden cost map (docs/concepts.md section 6)."""
 
     name = "grid_nav"
     description = "Reach the goal in exactly N rook moves over a hidden, pack-wide cost map."

@@ -1,4 +1,4 @@
-"""Optimal control with hidden dynamics (SPEC.md section 6, "Optimal control").
+"""Optimal control with hidden dynamics (docs/concepts.md section 6, "Optimal control").
 
 Each pack hides a discrete-time double integrator with drag and a gain:
 
@@ -17,7 +17,7 @@ so nothing about a and b can be learnt inside a task; the feedback shows the fir
 triples of the run, from which two transitions pin down a and b exactly (v[t+1] = a v[t] + b u[t]
 is linear in the unknowns). That is the evidence a CoD agent carries to the next task.
 
-Train vs eval (same hidden-rule ranges, as SPEC.md fixes them): eval starts farther from the
+Train vs eval (same hidden-rule ranges, as docs/concepts.md fixes them): eval starts farther from the
 target (distance up to 8 instead of 4), with a faster start, a moving target (v* != 0, which a
 constant-gain law cannot hold without a time-varying reference) and a control cost three times
 higher. `tiny` uses integer starts and targets, v0 = v* = 0, a fixed horizon and short texts.
@@ -271,7 +271,7 @@ class OptimalControlEnv(Environment):
     description = "Submit one feedback law u(x, v, t) for hidden linear dynamics."
 
     def rule(self, pack_seed: int) -> Dynamics:
-        """The hidden dynamics of a pack (SPEC.md ranges, the same in both settings)."""
+        """The hidden dynamics of a pack (docs/concepts.md ranges, the same in both settings)."""
         rng = rng_for(self.name, "rule", pack_seed, self.setting)
         magnitude = rng.uniform(0.35, 1.5)
         return Dynamics(

@@ -1,4 +1,4 @@
-"""Packs of tasks (SPEC.md section 6, pack strategies) and stable pack seeds.
+"""Packs of tasks (docs/concepts.md section 6, pack strategies) and stable pack seeds.
 
 - `cod`: K different tasks sharing the pack's hidden rule (task indices 0..K-1);
 - `ralph_sample`: the first task of the pack repeated K times (the Ralph loop on one task);

@@ -1,4 +1,4 @@
-"""PDE discovery: find a hidden sparse reaction term (SPEC.md section 6, "PDE discovery").
+"""PDE discovery: find a hidden sparse reaction term (docs/concepts.md section 6, "PDE discovery").
 
 Each pack hides a reaction term R(u) in the 1-D reaction-diffusion equation
 

@@ -1,4 +1,4 @@
-"""Terminal (SPEC.md section 6): file chores in a simulated shell whose dialect is hidden.
+"""Terminal (docs/concepts.md section 6): file chores in a simulated shell whose dialect is hidden.
 
 The hidden rule of a pack is the shell dialect: Windows cmd (`dir`, `type`, `copy`, `move`, `del`,
 `mkdir`, `cd`, `start`; `\\` paths), Linux bash or macOS zsh (`ls`, `cat`, `cp`, `mv`, `rm`,

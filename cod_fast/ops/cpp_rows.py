@@ -3,7 +3,7 @@
 The fused CPU loss works per chunk of C tokens: torch does the GEMMs, and these kernels do all the
 per-row work on the chunk's float32 logits z = h W^T [C, V] (before the temperature), in place:
 
-- `rows_forward`: lse, logp = x_y - lse and entropy H = -sum p log p of x = z / T (SPEC.md
+- `rows_forward`: lse, logp = x_y - lse and entropy H = -sum p log p of x = z / T (docs/concepts.md
   section 4), z untouched;
 - `rows_backward_`: z <- dL/dz given dL/dlogp and dL/dH;
 - `rows_fused_`: both, with the per-token loss head of csrc/loss_head.h in between, so each row

@@ -6,7 +6,7 @@ against the torch build). It needs the repository's csrc/ folder (a source check
 install) and a CUDA toolkit; `cuda_head_status()` says what is missing.
 
 This module is compiled by the test suite on any machine with nvcc; running it needs a GPU and
-has not been done yet (see README, "What runs where").
+has not been done yet (see docs/gpu.md, "What runs where").
 """
 
 from __future__ import annotations

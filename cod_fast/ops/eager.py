@@ -1,4 +1,4 @@
-"""Eager baselines: materialised [N, V] logits and SPEC.md section 4 written term by term.
+"""Eager baselines: materialised [N, V] logits and docs/concepts.md section 4 written term by term.
 
 What a plain PyTorch user would write: full logits, log_softmax, gather, and the loss one segment
 at a time, differentiated by autograd. The tests use it (in float64) as ground truth and (in the
@@ -35,7 +35,7 @@ def eager_policy_loss(
     dtype=torch.float64,
     with_magnitude=False,
 ):
-    """The loss of SPEC.md section 4, one segment at a time: (loss, logp).
+    """The loss of docs/concepts.md section 4, one segment at a time: (loss, logp).
 
     ``with_magnitude`` adds a third value, the same aggregation over |per-token terms|: the
     scale that float rounding of the loss is relative to when terms cancel.

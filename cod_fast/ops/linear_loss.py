@@ -1,4 +1,4 @@
-"""`linear_policy_loss`: the policy loss of SPEC.md section 4 from hidden states and the LM head.
+"""`linear_policy_loss`: the policy loss of docs/concepts.md section 4 from hidden states and the LM head.
 
 The `torch` implementation takes the chunked log-probs and differentiates the loss with autograd
 (`policy_loss_from_logp`); `cpp` and `triton` run the fused chunked driver, where the closed-form
@@ -87,7 +87,7 @@ def linear_policy_loss(
     num_segments: int | None = None,
     check_targets: bool = True,
 ) -> PolicyLossOutput:
-    """The policy loss of SPEC.md section 4 straight from hidden states and the LM head.
+    """The policy loss of docs/concepts.md section 4 straight from hidden states and the LM head.
 
     hidden [N, H] holds the trainable positions only (already gathered), weight [V, H],
     targets/advantages/segment_ids and the optional log-probs [N]. Returns `.loss` (float32

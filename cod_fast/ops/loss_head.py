@@ -6,7 +6,7 @@ those into logit gradients while the chunk's logits are at hand. This module sta
 once in torch (`token_head`, the contract the C++ and Triton row kernels implement) and prepares
 everything it reads that does not depend on the current log-probs (`prepare_head`): the
 aggregation weight w_t / D, the rollout-correction weight, and for sequence-level ratios the
-segment ratio and the chain-rule term through the segment mean (SPEC.md section 4).
+segment ratio and the chain-rule term through the segment mean (docs/concepts.md section 4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What every implementation of the policy loss shares (SPEC.md section 4).
+"""What every implementation of the policy loss shares (docs/concepts.md section 4).
 
 The torch peer (cod_fast.ops.policy_loss), the closed-form head (cod_fast.ops.loss_head), the
 chunked driver (cod_fast.ops.chunked) and the row kernels (C++, Triton) all read from here: the

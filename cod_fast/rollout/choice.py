@@ -3,7 +3,7 @@
 `cod-fast info` asks `choose_sampler`; the trainer gets its samplers from `build_samplers`.
 
 `auto` takes, per device, the sampler that `cod-fast bench sampler` measured to be faster for one
-RL step's rollouts (README, "Sampler benchmark"), among those that can run the model:
+RL step's rollouts (docs/benchmarks.md, "Sampler benchmark"), among those that can run the model:
 - CPU: CPU_AUTO below, from the benchmark on the project's 2-core CI machine;
 - CUDA: vLLM when installed (paged attention, CUDA graphs, sleep mode); not measured yet: vLLM
   on CUDA has not run on a GPU of this project.
@@ -27,7 +27,7 @@ CPU_AUTO = "torch"
 CPU_REASON = (
     "on the CPU the torch sampler rolled out a tiny-cpu RL step faster than vLLM (vLLM 0.72x); "
     "vLLM was 1.31x faster for a 4-layer, 512-wide model after a 41 s start: set "
-    "rollout.sampler=vllm for models that size or larger (cod-fast bench sampler, README)"
+    "rollout.sampler=vllm for models that size or larger (cod-fast bench sampler, docs/benchmarks.md)"
 )
 
 

@@ -1,4 +1,4 @@
-"""Hint blocks and the context line (SPEC.md section 2).
+"""Hint blocks and the context line (docs/concepts.md section 2).
 
 The update-context episode must end its answer with a block between the two marker lines; the
 stripped text between them replaces the hints. A missing, empty or too short block gives

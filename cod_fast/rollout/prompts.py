@@ -1,4 +1,4 @@
-"""The text of solve-task and update-context prompts (SPEC.md sections 1-2), in two styles.
+"""The text of solve-task and update-context prompts (docs/concepts.md sections 1-2), in two styles.
 
 Solve: the task's own statement with the current hints under a heading. Update: the previous
 hints, then the task's trajectory (its statement without hints, then `Step i: Observation ... /

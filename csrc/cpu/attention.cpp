@@ -1,7 +1,7 @@
 // CPU varlen attention of a packed training micro-batch, forward and backward (bound into
 // cod_fast._cpp): causal attention within blocks of queries, each block over its own keys.
 //
-// Layout (cod_fast.attention, SPEC.md section 5): q [T, Hq, d], k and v [Tk, Hkv, d]; block b
+// Layout (cod_fast.attention, docs/concepts.md section 5): q [T, Hq, d], k and v [Tk, Hkv, d]; block b
 // holds queries cu_q[b]..cu_q[b+1] and keys cu_k[b]..cu_k[b+1] - or, with a shared-prefix tree,
 // the key rows kv_index[cu_k[b]..cu_k[b+1]] (a prefix's rows serve every block under it). A block
 // of lq queries and lk >= lq keys is causal aligned at the end: query t sees keys j <= lk - lq + t.
