@@ -125,8 +125,8 @@ def envs_play(
             hints = typer.prompt("your hints for the next task (empty: none)", default="") or None
 
 
-ModelOption = Annotated[
-    Path, typer.Option("--model", help="A Hugging Face model folder (e.g. from cod-fast export).")
+ModelOption = Annotated[  # a str: a Path would turn ./name into name, which reads as a hub id
+    str, typer.Option("--model", help="A Hugging Face model folder (e.g. from cod-fast export).")
 ]
 EnvOption = Annotated[
     str | None, typer.Option(help="The training environment (in-domain) [frozenlake].")
@@ -159,7 +159,7 @@ def _play_flags(options: dict) -> dict:
     return {k: v for k, v in options.items() if k in PLAY_FLAGS}
 
 
-def _model_play(model: Path, flags: dict) -> tuple[dict, object, object]:
+def _model_play(model: str, flags: dict) -> tuple[dict, object, object]:
     """(options, sampler, chat format) for playing `model` (cod_fast.matrix.load_player): a
     model written by `cod-fast export`, or a run directory, plays as its run evaluated
     (environment, size, eval setting and packs, prompt style, token caps, temperature, seed),
@@ -228,7 +228,7 @@ class _Working:
 
 
 ModelsOption = Annotated[
-    list[Path],
+    list[str],
     typer.Option(
         "--model",
         help="A model folder (cod-fast export, any Hugging Face causal LM) or a run directory "
@@ -331,7 +331,7 @@ def eval_command(
 
 
 def _eval_matrix(
-    models: list[Path], envs: list[str], strategies: tuple[str, ...], flags: dict, out: Path
+    models: list[str], envs: list[str], strategies: tuple[str, ...], flags: dict, out: Path
 ) -> None:
     """`eval --matrix`: evaluate, print one row per (model, env / strategy), write the files."""
     from cod_fast.matrix import evaluate_matrix

@@ -30,11 +30,27 @@ from cod_fast.envs.packs import STRATEGIES
 from cod_fast.evaluate import EvalPlan, eval_defaults, evaluate
 from cod_fast.export import export_model, read_run_config
 from cod_fast.metrics import PositionSummary
-from cod_fast.model import load_model_files, load_policy, resolve_dtype
+from cod_fast.model import (
+    ModelFolderError,
+    load_model_files,
+    load_policy,
+    model_path_problem,
+    resolve_dtype,
+)
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.torch_sampler import TorchSampler
 
 Log = Callable[[str], None]
+
+
+def model_location(model: str | Path) -> Path:
+    """`model` (a model folder, run directory or hub id) as a Path, refused at once when it names
+    a local folder that does not exist: as a Path, `./name` becomes `name`, which reads as a hub
+    id, and transformers would answer with the hub's complaint instead."""
+    name = str(model)
+    if not Path(name).exists() and (problem := model_path_problem(name)):
+        raise ModelFolderError(problem)
+    return Path(name)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -61,7 +77,7 @@ def load_player(
     directory) as its run evaluated, any other model with `eval_defaults(None)`. `flags` (keys
     of those options; None: not given) override them; `log` hears of each override of a run's
     own value. Raises ValueError for an unknown flag or environment name before the model loads."""
-    model = Path(model)
+    model = model_location(model)
     with _model_folder(model) as folder:
         run = read_run_config(folder)
         base = eval_defaults(run)
@@ -98,7 +114,7 @@ def check_model_folder(model: str | Path) -> None:
     """Raise ModelFolderError where `model`, a model folder, could not be played: its config.json
     against its tokenizer and this machine's memory, as load_player will load it (a run
     directory's own checkpoint is left to its export)."""
-    model = Path(model)
+    model = model_location(model)
     if is_run_dir(model):
         return
     cfg, device = _policy_config(model, read_run_config(model))

@@ -199,3 +199,15 @@ def test_bench_train_takes_plain_modules(monkeypatch):
     result = runner.invoke(app, ["bench", "train", "--plain-modules", "--tiny"])
     assert result.exit_code == 0, result.output
     assert "--plain-modules" in argv and "--tiny" in argv
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["eval", *PLAY], ["rollout", *PLAY], ["eval", "--matrix", "--env", "frozenlake"]],
+    ids=["eval", "rollout", "eval --matrix"],
+)
+def test_a_relative_model_path_that_does_not_exist_is_one_line_as_typed(here, command):
+    """`--model ./missing` keeps its `./` (a Path option would drop it and leave a name that
+    reads as a hub id, which transformers answered with the hub's complaint)."""
+    result = runner.invoke(app, [*command, "--model", "./missing-model"])
+    one_error_line(result, "./missing-model: no such folder")
