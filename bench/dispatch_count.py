@@ -1,18 +1,20 @@
-"""Count what a piece of code asks of the device: dispatched aten ops, host syncs, host-to-device copies.
+"""Count what code asks of the device: dispatched aten ops, host syncs, host-to-device copies.
 
-On a GPU every dispatched op is (at least) one kernel launch, every host sync stalls the CPU until the
-device catches up, and every pageable host-to-device copy is a blocking transfer. A `DispatchCounter`
-sees all three as torch dispatches them, on any device, so the counts measured on a CPU are the
-launch-overhead proxy of the same code on CUDA (where the code takes the same branches).
+On a GPU every dispatched op is (at least) one kernel launch, every host sync stalls the CPU until
+the device catches up, and every pageable host-to-device copy is a blocking transfer. A
+`DispatchCounter` sees all three as torch dispatches them, on any device, so the counts measured
+on a CPU are the launch-overhead proxy of the same code on CUDA (where the code takes the same
+branches).
 
     with DispatchCounter() as count:
         loss.backward()
     count.total, count.syncs, count.h2d
 
 Host syncs are the ops that need a value on the host to proceed: reading a scalar (`int(t)`,
-`t.item()`, `bool(t)`, which dispatch `_local_scalar_dense`) and ops whose output shape depends on the
-data (`nonzero`, `unique`, boolean-mask indexing, ...). `tensor.tolist()` on a CPU tensor dispatches
-nothing (it reads memory directly), so a CPU count misses it; on CUDA it is a copy to the host.
+`t.item()`, `bool(t)`, which dispatch `_local_scalar_dense`) and ops whose output shape depends on
+the data (`nonzero`, `unique`, boolean-mask indexing, ...). `tensor.tolist()` on a CPU tensor
+dispatches nothing (it reads memory directly), so a CPU count misses it; on CUDA it is a copy to
+the host.
 """
 
 from __future__ import annotations

@@ -41,10 +41,9 @@ Contenders, each in its own process (a worker whose last stdout line is JSON):
   sample, decode, reward, then the trainer's own `_update` (advantages, packing, Policy +
   train_step with the fused loss, the C++ kernels on the CPU, clip, AdamW) and weight push.
   The sampler is `--cod-sampler`; `auto` takes the faster one per size measured by `cod-fast
-  bench sampler` (docs/benchmarks.md): now the torch sampler for both sizes (an explicit `vllm` without
-  vLLM is skipped). vLLM's engine start is
-  `start s`, outside the step; the weight push into the engine after each update is `push s`,
-  inside it.
+  bench sampler` (docs/benchmarks.md): now the torch sampler for both sizes (an explicit `vllm`
+  without vLLM is skipped). vLLM's engine start is `start s`, outside the step; the weight push
+  into the engine after each update is `push s`, inside it.
 - `trl`: `GRPOTrainer` of TRL >= 1.16 with its default CPU generation (transformers `generate`,
   no vLLM), on the same folder, with GRPOConfig set to the same work: num_generations = G,
   per_device_train_batch_size = P x G completions with one gradient-accumulation step (so the
@@ -79,8 +78,8 @@ What still differs between cod-fast and TRL, and why:
 - Old log-probs: neither contender runs a second forward. TRL, with one iteration and one
   generation per optimizer step, sets old_logp = the training forward's detached log-probs, so
   its ratio is exactly 1; cod-fast takes the ratio against the sampler's log-probs (`bypass`,
-  docs/concepts.md section 4), so the ratio carries the sampler/trainer mismatch (1e-7 to 1e-6 nats per
-  token in fp32, `cod-fast bench sampler`). TRL's vLLM importance-sampling correction does not
+  docs/concepts.md section 4), so the ratio carries the sampler/trainer mismatch (1e-7 to 1e-6 nats
+  per token in fp32, `cod-fast bench sampler`). TRL's vLLM importance-sampling correction does not
   apply (no vLLM).
 - Advantages: cod-fast (r - mean) / (population std + 1e-6); TRL (r - mean) / (sample std
   + 1e-4) (scale_rewards="group"). The same up to a factor sqrt((G - 1) / G) and the epsilon.
@@ -151,8 +150,8 @@ MULTITURN_PRESET = "tiny-cpu"
 CONTENDERS = ("cod-fast", "trl", "cod-multiturn")
 SIZES = ("tiny", "small")
 COD_SAMPLER = {"tiny": "torch", "small": "torch"}
-"""`--cod-sampler auto`: the faster sampler per size in `cod-fast bench sampler` (docs/benchmarks.md; vLLM
-was faster for `small` until the torch sampler's fast decode path)."""
+"""`--cod-sampler auto`: the faster sampler per size in `cod-fast bench sampler`
+(docs/benchmarks.md; vLLM was faster for `small` until the torch sampler's fast decode path)."""
 PRELOAD_COD = (*PRELOAD, "cod_fast.trainer")
 PRELOAD_TRL = ("datasets", "trl", "trl.trainer.grpo_trainer")
 # Columns of the CSV and of the table where they have a header: (key, header, format).

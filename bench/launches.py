@@ -77,9 +77,10 @@ from cod_fast.bench.train import (
 # fmt: off
 TABLE = (
     ("case", "case", ""), ("contender", "contender", ""), ("impl", "loss impl", ""),
-    ("aten_ops", "aten ops", "d"), ("kernels", "kernel ops", "d"), ("host_syncs", "host syncs", "d"),
-    ("h2d_copies", "h2d copies", "d"), ("sync_ops", "sync ops", ""),
-    ("device", "device", ""), ("dtype", None, ""), ("model", None, ""),
+    ("aten_ops", "aten ops", "d"), ("kernels", "kernel ops", "d"),
+    ("host_syncs", "host syncs", "d"), ("h2d_copies", "h2d copies", "d"),
+    ("sync_ops", "sync ops", ""), ("device", "device", ""), ("dtype", None, ""),
+    ("model", None, ""),
     ("tokens", "tokens", ""), ("micro_batches", "micro-batches", ""), ("prompts", "prompts", ""),
 )
 # fmt: on

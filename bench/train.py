@@ -76,7 +76,8 @@ LOSS = LossConfig(policy="rec_one_side", eps_high=0.28)  # the CoD runs' loss
 GRAD_CLIP, LR, SEED, K = 1.0, 1e-5, 1234, 4  # K: tasks per pack, in both sections
 TARGETS = {"speed": 1.5, "memory": 3.0}  # the issue's CPU targets, fused vs logits+eager
 AGREE_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}  # bf16: HF rounds the logits to bf16
-# Every registered environment at its full (specified) size, and FrozenLake's tiny size (the CPU presets').
+# Every registered environment at its full (specified) size, and FrozenLake's tiny size (the CPU
+# presets').
 MERGE_ENVS = (*((name, "full") for name in ENVIRONMENTS), ("frozenlake", "tiny"))
 META = ("timestamp", "commit", "machine", "torch", "transformers")
 # Columns of the CSVs, and of the tables where they have a header: (key, header, format).

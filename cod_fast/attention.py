@@ -1,4 +1,6 @@
-"""Attention over packed micro-batches that never crosses a sequence boundary (docs/concepts.md section 5).
+"""Attention over packed micro-batches that never crosses a sequence boundary.
+
+The invariant is docs/concepts.md section 5.
 
 A packed micro-batch is one row of T tokens holding several sequences; `cu_seqlens` marks where
 each starts. Three kernels compute the same causal, per-sequence attention, registered with

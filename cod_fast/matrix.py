@@ -8,8 +8,9 @@ temporary folder first and then the same; any other Hugging Face causal LM with 
 Only the environment and the pack strategy vary along a row. Every cell starts from the model's
 fresh eval sampling stream, so a cell is what `cod-fast eval --model M --env E` reports for it
 (one strategy), and a run's cell of any of its environments is that run's own evaluation (as
-the trainer evaluates each environment of a mixed run from the same stream). The heatmap shows per cell the CoD gain (docs/concepts.md section 6, Metrics) and the
-reward at the last position, each with one standard error over packs.
+the trainer evaluates each environment of a mixed run from the same stream). The heatmap shows per
+cell the CoD gain (docs/concepts.md section 6, Metrics) and the reward at the last position, each
+with one standard error over packs.
 """
 
 from __future__ import annotations

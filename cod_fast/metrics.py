@@ -1,4 +1,4 @@
-"""Per-position rewards, the CoD gain and success rates (docs/concepts.md section 6, Metrics), and plots.
+"""Per-position rewards, CoD gain, success rates and plots (docs/concepts.md section 6, Metrics).
 
 The capability cod-fast trains shows as reward rising with the task's position in a pack; the
 CoD gain is the mean reward at the last position minus the mean reward at position 0.

@@ -1,15 +1,15 @@
 """The policy model: loading, the built-in tiny Qwen3, and hidden states of packed micro-batches.
 
 Training never computes the model's logits: `packed_hidden_states` runs the decoder only and the
-fused loss takes the hidden states of the trainable positions and the LM head weight (docs/concepts.md
-section 4). Packed sequences must not attend to each other (docs/concepts.md section 5): `load_policy`
-installs one of the varlen kernels of cod_fast.attention (flash-attn, torch's varlen_attn, or
-per-sequence SDPA on the CPU and for float32), which read cu_seqlens. A model with any other
-attention implementation gets a block-diagonal causal mask instead (O(T^2) memory: the reference
-the tests compare the kernels with). A model folder is checked before any weights exist
-(`load_model_files`): a folder that is one (config.json and tokenizer files; a missing local path
-is not taken for a hub id), positive sizes in config.json, a vocabulary that holds every token
-id of its tokenizer, and weights that fit in this machine's memory at all.
+fused loss takes the hidden states of the trainable positions and the LM head weight
+(docs/concepts.md section 4). Packed sequences must not attend to each other (docs/concepts.md
+section 5): `load_policy` installs one of the varlen kernels of cod_fast.attention (flash-attn,
+torch's varlen_attn, or per-sequence SDPA on the CPU and for float32), which read cu_seqlens. A
+model with any other attention implementation gets a block-diagonal causal mask instead (O(T^2)
+memory: the reference the tests compare the kernels with). A model folder is checked before any
+weights exist (`load_model_files`): a folder that is one (config.json and tokenizer files; a missing
+local path is not taken for a hub id), positive sizes in config.json, a vocabulary that holds every
+token id of its tokenizer, and weights that fit in this machine's memory at all.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ out flat, the decoder runs over each copy; laid out as a tree, over each distinc
 The tree's nodes are runs of tokens that a set of sequences share (a radix tree over the token
 lists). Flattened in depth-first order, node i holds the tokens at depths [start, start + length)
 of every sequence through it, at positions `start...`; its queries attend to the tokens of its
-ancestors and, causally, to its own (docs/concepts.md section 5: a token sees exactly its own sequence's
-earlier tokens, as in the flat layout). The hidden state of a shared position is the same for
-every sequence through it, so the loss's per-segment rows are gathered from the tree with
+ancestors and, causally, to its own (docs/concepts.md section 5: a token sees exactly its own
+sequence's earlier tokens, as in the flat layout). The hidden state of a shared position is the same
+for every sequence through it, so the loss's per-segment rows are gathered from the tree with
 repeats, in the flat layout's order: the loss, the gradients and every per-token value are those
 of the flat layout (tests/test_prefix_sharing.py checks it in float64).
 """

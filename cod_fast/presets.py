@@ -25,9 +25,10 @@ from cod_fast.config import (
 
 
 def _tiny_cpu() -> Config:
-    # Sized for what a tiny model learns on a 2-core CPU (docs/benchmarks.md): tiny FrozenLake, 4-task packs, a ~0.35M-parameter
-    # decoder with a BPE vocabulary trained on the environment's text, compact prompts, a warm
-    # start on scripted-explorer demonstrations, then CoD RL with one-side REC and RED-weight.
+    # Sized for what a tiny model learns on a 2-core CPU (docs/benchmarks.md): tiny FrozenLake,
+    # 4-task packs, a ~0.35M-parameter decoder with a BPE vocabulary trained on the environment's
+    # text, compact prompts, a warm start on scripted-explorer demonstrations, then CoD RL with
+    # one-side REC and RED-weight.
     return Config(
         model=ModelConfig(dtype="float32", tokenizer="bpe", vocab_size=512),
         rollout=RolloutConfig(

@@ -1,9 +1,9 @@
 """Rollout records: what the sampler and the environments hand to advantages and packing.
 
-Plain dataclasses, no torch. A `Rollout` is one group member's run through one pack (docs/concepts.md
-section 1): solve episodes 0..K-1 interleaved with update episodes 0..K-2 (none in task-by-task
-mode). Each `Episode` holds its turns; each `Turn` holds token ids and per-token log-probs, which
-packing (section 5) turns into sequences and trainable segments.
+Plain dataclasses, no torch. A `Rollout` is one group member's run through one pack
+(docs/concepts.md section 1): solve episodes 0..K-1 interleaved with update episodes 0..K-2 (none in
+task-by-task mode). Each `Episode` holds its turns; each `Turn` holds token ids and per-token
+log-probs, which packing (section 5) turns into sequences and trainable segments.
 """
 
 from __future__ import annotations

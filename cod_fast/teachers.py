@@ -1,4 +1,6 @@
-"""Teachers of on-policy distillation (`algo.teachers`, `algo.loss.policy=opd`, docs/concepts.md section 4).
+"""Teachers of on-policy distillation (`algo.teachers`, `algo.loss.policy=opd`).
+
+The loss they feed is docs/concepts.md section 4's `opd`.
 
 Each environment of the run has one teacher: a causal LM folder (`cod-fast export` of a run, or
 any Hugging Face folder) that shares the student's tokenizer. Every RL step, the teacher of each

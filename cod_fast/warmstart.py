@@ -1,8 +1,9 @@
 """Scripted demonstrations, the tiny tokenizer's corpus, and the supervised warm start.
 
 A tiny model that starts from random weights does not find the CoD behaviour by sampling alone
-(measured on the `tiny-cpu` preset, docs/benchmarks.md): it first imitates the environment's scripted explorer
-(cod_fast.envs), which writes what it learns into hints and reads them back on the next task.
+(measured on the `tiny-cpu` preset, docs/benchmarks.md): it first imitates the environment's
+scripted explorer (cod_fast.envs), which writes what it learns into hints and reads them back on
+the next task.
 Demonstrations go through the same rollout driver as the model's own rollouts:
 `ScriptedDriver` answers each prompt with its run's agent instead of a sampler, so prompts, token
 ids and hint blocks are exactly what the model will later see and write.

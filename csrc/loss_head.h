@@ -1,4 +1,4 @@
-// The per-token loss head of docs/concepts.md section 4, shared by the CPU row kernels and the CUDA kernel.
+// The per-token loss head of docs/concepts.md section 4, shared by the CPU and the CUDA kernels.
 //
 // Given one token's log-prob and entropy under the current policy (and the detached per-token
 // inputs the caller prepared), it returns the token's weighted loss and the gradients of that loss

@@ -4,8 +4,8 @@ The chunked driver (cod_fast.ops.chunked) forms a chunk's raw logits z = h_c W^T
 with a torch GEMM; these kernels do everything else on that buffer, with the contract stated in
 torch by cod_fast.ops.torch_rows:
 
-- `rows_forward`: lse, the target log-prob and the entropy of softmax(z / T) (docs/concepts.md section 4:
-  temperature divides the logits, all statistics in float32).
+- `rows_forward`: lse, the target log-prob and the entropy of softmax(z / T) (docs/concepts.md
+  section 4: temperature divides the logits, all statistics in float32).
 - `rows_backward_`: overwrite z with dL/dz from the incoming dL/dlogp and dL/dH.
 - `rows_fused_`: both, with the per-token policy-loss head (`token_head` of
   cod_fast.ops.loss_head: ppo / rec_one_side / rec_one_side_is / opd, KL k1-k3, entropy bonus)

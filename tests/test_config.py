@@ -267,8 +267,8 @@ def test_missing_file_and_unknown_preset_are_config_errors(tmp_path):
 
 
 def test_red_weight_defaults_by_algorithm_and_shows_its_effective_value():
-    """RED-weight left null is on for CoD and off for task-by-task (plain GRPO, docs/concepts.md 3), an
-    explicit value wins, and the YAML shows the effective value and reads back equal."""
+    """RED-weight left null is on for CoD and off for task-by-task (plain GRPO, docs/concepts.md 3),
+    an explicit value wins, and the YAML shows the effective value and reads back equal."""
     cod = load_config("tiny-cpu")
     tbt = load_config("tiny-cpu", overrides=["algo.algorithm=task_by_task"])
     forced = load_config(

@@ -1,5 +1,5 @@
-"""Alchemy-Random (docs/concepts.md section 6): determinism, the hidden recipe graph, settings, scripted
-agents and action parsing."""
+"""Alchemy-Random (docs/concepts.md section 6): determinism, the hidden recipe graph, settings,
+scripted agents and action parsing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Optimal control with hidden dynamics (docs/concepts.md section 6): rule, scoring, agents, junk input."""
+"""Optimal control, hidden dynamics (docs/concepts.md section 6): rule, scoring, agents, junk."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""PDE discovery (docs/concepts.md section 6): hidden reaction term, tools, scoring, agents, junk input."""
+"""PDE discovery (docs/concepts.md section 6): hidden reaction, tools, scoring, agents, junk."""
 
 from __future__ import annotations
 

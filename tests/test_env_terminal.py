@@ -1,5 +1,5 @@
-"""Terminal (docs/concepts.md section 6): determinism, the hidden dialect, settings, scoring, scripted
-agents, action parsing, and a shell that never leaves memory."""
+"""Terminal (docs/concepts.md section 6): determinism, the hidden dialect, settings, scoring,
+scripted agents, action parsing, and a shell that never leaves memory."""
 
 from __future__ import annotations
 

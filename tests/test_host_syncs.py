@@ -3,10 +3,10 @@
 On a GPU a host sync (reading a value back: `int(t)`, `unique`, a boolean mask) stalls the CPU
 until every queued kernel has run, so the next launches cannot overlap them. The loss takes what
 the caller knows instead (segment count, target range, repeated pairs; the packer finds them on
-the host), and `cod_fast.bench.dispatch_count.DispatchCounter` sees every dispatched op, so these counts
-on the CPU are those of the same code on CUDA. The step's one intended wait, reading its totals
-with `.tolist()`, dispatches nothing on a CPU tensor; the optimizer's own step-count reads are
-of host tensors on CUDA, so the step is counted without them.
+the host), and `cod_fast.bench.dispatch_count.DispatchCounter` sees every dispatched op, so these
+counts on the CPU are those of the same code on CUDA. The step's one intended wait, reading its
+totals with `.tolist()`, dispatches nothing on a CPU tensor; the optimizer's own step-count reads
+are of host tensors on CUDA, so the step is counted without them.
 """
 
 from __future__ import annotations

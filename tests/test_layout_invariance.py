@@ -1,5 +1,5 @@
-"""docs/concepts.md section 5's invariant: prefix-merged and one-sequence-per-turn layouts of the same
-rollout give the same loss and the same gradients (a tiny random transformer over both)."""
+"""docs/concepts.md section 5's invariant: prefix-merged and one-sequence-per-turn layouts of the
+same rollout give the same loss and the same gradients (a tiny random transformer over both)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,8 @@ def test_packed_hidden_states_equal_separate_forwards(tiny):
 
 
 def test_merged_and_per_turn_layouts_agree_on_qwen3(tiny):
-    """docs/concepts.md section 5's invariant on the real model: prefix-merged and one-sequence-per-turn
-    layouts give the same loss and the same parameter gradients."""
+    """docs/concepts.md section 5's invariant on the real model: prefix-merged and
+    one-sequence-per-turn layouts give the same loss and the same parameter gradients."""
     model, _ = tiny
     rng = random.Random(3)
     episodes = [random_episode(rng, p, "solve", k) for p in range(2) for k in range(2)]

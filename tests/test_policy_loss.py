@@ -1,4 +1,4 @@
-"""linear_logprobs and linear_policy_loss against float64 eager references (docs/concepts.md section 4)."""
+"""linear_logprobs and linear_policy_loss against float64 eager references (docs/concepts.md 4)."""
 
 from __future__ import annotations
 

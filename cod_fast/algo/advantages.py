@@ -1,4 +1,4 @@
-"""The CoD advantage: returns, group baselines and adaptive re-weighting (docs/concepts.md section 3).
+"""The CoD advantage (docs/concepts.md section 3): returns, group baselines, adaptive re-weighting.
 
 Shapes follow the group layout: dim 0 is the group member g (the same pack rolled out G times),
 dim 1 the position in the pack. All functions are pure torch, work in any float dtype (float64

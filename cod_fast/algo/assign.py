@@ -1,4 +1,4 @@
-"""Rollout records -> per-episode advantages (docs/concepts.md section 3), written onto the episodes.
+"""Rollout records -> per-episode advantages, written onto the episodes (docs/concepts.md sec. 3).
 
 CoD: per pack, the G members' task rewards [G, K] and hint rewards [G, K-1] give returns
 (`cod_returns`), the group baseline gives advantages (`group_advantages`), and RED-weight, when

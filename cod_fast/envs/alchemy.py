@@ -1,4 +1,4 @@
-"""Alchemy-Random (docs/concepts.md section 6): discover a hidden recipe graph and craft a target element.
+"""Alchemy-Random (docs/concepts.md section 6): find a hidden recipe graph, craft a target element.
 
 The hidden rule of a pack is a random recipe graph. Base elements (tier 0) combine pairwise into
 higher tiers: an element of tier t has exactly one recipe, one ingredient of tier t - 1 and one of

@@ -1,5 +1,5 @@
-"""A safe parser and evaluator for model-written formulas (docs/concepts.md section 6: "Expressions are
-parsed by a safe evaluator, never by eval()").
+"""A safe parser and evaluator for model-written formulas (docs/concepts.md section 6: "Expressions
+are parsed by a safe evaluator, never by eval()").
 
 The optimal-control environment reads a feedback law u(x, v, t) and PDE discovery reads a
 reaction term R(u) from untrusted model text. Both go through `parse_expression`, which parses

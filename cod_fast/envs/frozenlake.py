@@ -1,4 +1,4 @@
-"""FrozenLake-Obscure (docs/concepts.md section 6): walk a frozen lake to the goal with scrambled controls.
+"""FrozenLake-Obscure (docs/concepts.md section 6): walk a frozen lake with scrambled controls.
 
 Each task is a small grid with a start, a goal and holes. The four actions `Direction 1` ..
 `Direction 4` each move the agent one cell, but which of up/down/left/right each number means is
@@ -238,7 +238,7 @@ class FrozenLakeTask(Task):
 
 
 class FrozenLakeEnv(Environment):
-    """FrozenLake with a per-pack permutation of the four directions (docs/concepts.md section 6)."""
+    """FrozenLake with a per-pack permutation of the four directions (docs/concepts.md sec. 6)."""
 
     name = "frozenlake"
     description = "Reach the goal on a frozen lake; what each of the four actions does is hidden."

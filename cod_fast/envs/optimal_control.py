@@ -17,8 +17,8 @@ so nothing about a and b can be learnt inside a task; the feedback shows the fir
 triples of the run, from which two transitions pin down a and b exactly (v[t+1] = a v[t] + b u[t]
 is linear in the unknowns). That is the evidence a CoD agent carries to the next task.
 
-Train vs eval (same hidden-rule ranges, as docs/concepts.md fixes them): eval starts farther from the
-target (distance up to 8 instead of 4), with a faster start, a moving target (v* != 0, which a
+Train vs eval (same hidden-rule ranges, as docs/concepts.md fixes them): eval starts farther from
+the target (distance up to 8 instead of 4), with a faster start, a moving target (v* != 0, which a
 constant-gain law cannot hold without a time-varying reference) and a control cost three times
 higher. `tiny` uses integer starts and targets, v0 = v* = 0, a fixed horizon and short texts.
 """

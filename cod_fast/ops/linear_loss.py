@@ -1,4 +1,4 @@
-"""`linear_policy_loss`: the policy loss of docs/concepts.md section 4 from hidden states and the LM head.
+"""`linear_policy_loss`: the policy loss (docs/concepts.md section 4) from hidden states and head.
 
 The `torch` implementation takes the chunked log-probs and differentiates the loss with autograd
 (`policy_loss_from_logp`); `cpp` and `triton` run the fused chunked driver, where the closed-form

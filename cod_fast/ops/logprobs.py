@@ -5,10 +5,10 @@ tokens in chunks (cod_fast.ops.chunked), so at most one chunk's [chunk x V] logi
 time, and the backward recomputes each chunk's logits instead of storing them (only lse and
 entropy, O(N), are saved). Implementations differ in their row kernels: torch, C++ or Triton.
 
-Numerics (docs/concepts.md section 4): logits are divided by the temperature, and log-sum-exp, log-probs
-and entropy are computed in float32 whatever the operand dtype, or in float64 when an operand is
-float64 (the ground-truth mode of the tests; torch implementation only). NaN or inf in the inputs
-propagate to the outputs of the affected rows; they are not masked.
+Numerics (docs/concepts.md section 4): logits are divided by the temperature, and log-sum-exp,
+log-probs and entropy are computed in float32 whatever the operand dtype, or in float64 when an
+operand is float64 (the ground-truth mode of the tests; torch implementation only). NaN or inf in
+the inputs propagate to the outputs of the affected rows; they are not masked.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The segment-masked GRPO-family policy loss over packed trainable tokens (docs/concepts.md section 4).
+"""The segment-masked GRPO-family policy loss over packed trainable tokens (docs/concepts.md 4).
 
 `policy_loss_from_logp` is the loss written in plain torch on per-token log-probs and differentiated
 by autograd: the ratio (token or sequence level), the policy term (ppo, rec_one_side,

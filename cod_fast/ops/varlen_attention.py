@@ -1,4 +1,4 @@
-"""Causal attention within the blocks of a packed micro-batch (docs/concepts.md section 5), off CUDA.
+"""Causal attention within the blocks of a packed micro-batch, off CUDA (docs/concepts.md sec. 5).
 
 `varlen_attention(q, k, v, cu_q, cu_k, kv_index, scale, impl=None)`: q [T, Hq, d], k and v
 [Tk, Hkv, d]; block b holds queries cu_q[b]..cu_q[b+1] and keys cu_k[b]..cu_k[b+1], or, in the

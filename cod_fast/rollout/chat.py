@@ -4,9 +4,9 @@ The first turn of an episode is the chat template (system + user, generation pro
 to text and encoded. Later turns are never re-rendered: the driver keeps the prompt and response
 ids exactly as sampled and appends only the ids that close the assistant turn and open the next
 one (`continuation`), so a multi-turn episode stays one growing sequence and packing can merge
-it (docs/concepts.md section 5). The markup is read off the template once, by rendering a conversation
-with sentinel strings and cutting around them. Tokenizers without a chat template get a plain
-`System: / User: / Assistant:` format.
+it (docs/concepts.md section 5). The markup is read off the template once, by rendering a
+conversation with sentinel strings and cutting around them. Tokenizers without a chat template get a
+plain `System: / User: / Assistant:` format.
 
 The template is the tokenizer's, or `model.chat_template` (a Jinja string, or a file holding
 one), rendered with `model.chat_template_kwargs` (Qwen3's `enable_thinking`). A template without

@@ -1,4 +1,4 @@
-"""The interleaved rollout driver (docs/concepts.md sections 1-2): P packs x G group members at once.
+"""The interleaved rollout driver (docs/concepts.md sections 1-2): P packs x G members at once.
 
 Each (pack, member) run alternates a solve-task episode (one or more turns: a response, then the
 environment's observation) and an update-context episode (one response whose hint block replaces

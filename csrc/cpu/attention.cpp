@@ -1,11 +1,11 @@
 // CPU varlen attention of a packed training micro-batch, forward and backward (bound into
 // cod_fast._cpp): causal attention within blocks of queries, each block over its own keys.
 //
-// Layout (cod_fast.attention, docs/concepts.md section 5): q [T, Hq, d], k and v [Tk, Hkv, d]; block b
-// holds queries cu_q[b]..cu_q[b+1] and keys cu_k[b]..cu_k[b+1] - or, with a shared-prefix tree,
-// the key rows kv_index[cu_k[b]..cu_k[b+1]] (a prefix's rows serve every block under it). A block
-// of lq queries and lk >= lq keys is causal aligned at the end: query t sees keys j <= lk - lq + t.
-// Hq is a multiple of Hkv (grouped-query heads).
+// Layout (cod_fast.attention, docs/concepts.md section 5): q [T, Hq, d], k and v [Tk, Hkv, d];
+// block b holds queries cu_q[b]..cu_q[b+1] and keys cu_k[b]..cu_k[b+1] - or, with a shared-prefix
+// tree, the key rows kv_index[cu_k[b]..cu_k[b+1]] (a prefix's rows serve every block under it). A
+// block of lq queries and lk >= lq keys is causal aligned at the end: query t sees keys j <= lk -
+// lq + t. Hq is a multiple of Hkv (grouped-query heads).
 //
 // Why not torch: on a small model the per-block SDPA calls (one per sequence and layer, forward
 // and backward) and the key gathers of the tree layout cost several times their arithmetic.

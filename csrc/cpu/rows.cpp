@@ -1,4 +1,4 @@
-// CPU row kernels of the fused log-prob / policy loss (docs/concepts.md section 4), bound as cod_fast._cpp.
+// CPU row kernels of the fused log-prob / policy loss (docs/concepts.md section 4): cod_fast._cpp.
 //
 // The fused loss walks the tokens in chunks of C rows; torch does the GEMMs (z = h W^T, then
 // dh = dz W and dW += dz^T h) and these kernels do everything else on the chunk's [C, V] float32

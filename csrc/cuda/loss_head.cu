@@ -1,4 +1,4 @@
-// CUDA kernels for the per-token loss head and the segment reductions of docs/concepts.md section 4.
+// CUDA kernels for the per-token loss head and the segment reductions (docs/concepts.md sec. 4).
 //
 // The head itself is the shared `cod::loss_head` (csrc/loss_head.h), so the CPU row kernels and
 // these kernels cannot drift apart. The library is plain CUDA with a C ABI (no torch headers):
