@@ -178,20 +178,18 @@ def measure_step(shape, device, dtype) -> list[dict]:
     mbs, denominator, stats = step_batch(shape)
     batch = {"tokens": stats["tokens"], "micro_batches": stats["micro_batches"]}
     impl = _loss_impl(device)
-    rows = []
+    rows, models = [], {}
     for contender in CONTENDERS:
-        model = build_model(shape, device, dtype)  # the same initial weights for both
+        model = models[contender] = build_model(shape, device, dtype)  # the same initial weights
         set_rollout_logp(model, mbs, device)
         step, optimizer = make_step(contender, model, mbs, denominator, impl=impl)
-        if contender == "fused":
-            policy = Policy(model, impl=impl)
         name = (impl or "default") if contender == "fused" else "torch logits"
         rows.append({"case": "train_step", "contender": contender, "impl": name, **batch})
         rows[-1] |= _step_counts(step, optimizer)
     mb = runnable(mbs[0], LOSS).to(device)
     rows.append({"case": "loss", "contender": "fused", "impl": impl or "default"})
     rows[-1] |= {"tokens": mb.num_tokens, "micro_batches": 1}
-    rows[-1] |= _loss_counts(policy, mb, denominator)
+    rows[-1] |= _loss_counts(Policy(models["fused"], impl=impl), mb, denominator)
     return rows
 
 

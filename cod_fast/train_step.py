@@ -69,7 +69,6 @@ class _MetricSums:
 
     def __init__(self, device: torch.device):
         self.names: list[str] = []
-        self.sizes = [0, 0, 0]
         # sums, minima, maxima
         self.groups = [torch.zeros(0, dtype=torch.float64, device=device) for _ in range(3)]
 
@@ -80,14 +79,13 @@ class _MetricSums:
             kinds = [[k for k in metrics if not k.endswith(("_min", "_max"))]]
             kinds += [[k for k in metrics if k.endswith(suffix)] for suffix in ("_min", "_max")]
             self.names = [k for kind in kinds for k in kind]
-            self.sizes = [len(kind) for kind in kinds]
             device = self.groups[0].device
             self.groups = [
-                torch.full((size,), start, dtype=torch.float64, device=device)
-                for size, start in zip(self.sizes, (0.0, math.inf, -math.inf), strict=True)
+                torch.full((len(kind),), start, dtype=torch.float64, device=device)
+                for kind, start in zip(kinds, (0.0, math.inf, -math.inf), strict=True)
             ]
         values = torch.stack([metrics[k].detach() for k in self.names]).double()
-        sums, minima, maxima = values.split(self.sizes)
+        sums, minima, maxima = values.split([len(group) for group in self.groups])
         self.groups[0].add_(sums, alpha=n)
         if n:  # an empty micro-batch's minima and maxima are no values at all
             torch.minimum(self.groups[1], minima, out=self.groups[1])
@@ -101,7 +99,7 @@ def _read_totals(
     host at once: the step's one wait for the device. The reductions run on the device, as
     NCCL needs."""
     head = torch.full((1,), float(tokens), dtype=torch.float64, device=loss.device)
-    parts = [torch.cat([head, loss.reshape(1), *sums.groups[:1]]), *sums.groups[1:]]
+    parts = [torch.cat([head, loss.reshape(1), sums.groups[0]]), *sums.groups[1:]]
     if dist.is_available() and dist.is_initialized():
         ops = (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)
         for part, op in zip(parts, ops, strict=True):

@@ -240,13 +240,9 @@ def fused_truth(z, targets, inv_temp, inputs, sw, dtype):
     return logp.detach(), entropy.detach(), loss.detach(), clipped, z.grad, sensitivity
 
 
-def check_fused(c, vocab, temperature, block_v, policy, kl, seq_level, on_policy, entropy_coef):
-    seed = 1000 * policy + 100 * kl + 10 * seq_level + on_policy
-    z, targets = peaked_logits(c, vocab, seed=seed)
-    inv_temp = 1.0 / temperature
-    logp64, _, _ = eager_rows(z, targets, inv_temp, torch.float64)
-    inputs = head_inputs(logp64, policy, kl, seq_level, on_policy, seed)
-    sw = dict(
+def head_switches(policy, kl, seq_level, on_policy, entropy_coef) -> dict:
+    """The scalar arguments of rows_fused_ for a case (the clip range and coefficients fixed)."""
+    return dict(
         policy=policy,
         seq_level=seq_level,
         on_policy=on_policy,
@@ -257,6 +253,15 @@ def check_fused(c, vocab, temperature, block_v, policy, kl, seq_level, on_policy
         entropy_coef=entropy_coef,
         opd_coef=0.5,
     )
+
+
+def check_fused(c, vocab, temperature, block_v, policy, kl, seq_level, on_policy, entropy_coef):
+    seed = 1000 * policy + 100 * kl + 10 * seq_level + on_policy
+    z, targets = peaked_logits(c, vocab, seed=seed)
+    inv_temp = 1.0 / temperature
+    logp64, _, _ = eager_rows(z, targets, inv_temp, torch.float64)
+    inputs = head_inputs(logp64, policy, kl, seq_level, on_policy, seed)
+    sw = head_switches(policy, kl, seq_level, on_policy, entropy_coef)
     buf = padded(z)
     view = buf[:c, :vocab]
     got = rows.rows_fused_(
@@ -397,17 +402,7 @@ def test_rows_fused_narrow_dz(c, vocab, temperature, block_v, policy, kl, dz_dty
     logp64, _, _ = eager_rows(z, targets, inv_temp, torch.float64)
     inputs = head_inputs(logp64, policy, kl, 0, 0, seed=c + vocab)
     inputs = {k: None if v is None else v.to(DEVICE) for k, v in inputs.items()}
-    sw = dict(
-        policy=policy,
-        seq_level=0,
-        on_policy=0,
-        eps_low=0.2,
-        eps_high=0.28,
-        kl=kl,
-        beta=0.1,
-        entropy_coef=0.02,
-        opd_coef=0.5,
-    )
+    sw = head_switches(policy, kl, seq_level=0, on_policy=0, entropy_coef=0.02)
 
     def run(view, **kw):
         return rows.rows_fused_(
