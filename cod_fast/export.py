@@ -85,7 +85,7 @@ def _check_destination(out: Path) -> None:
 
 
 @contextmanager
-def _replacing(out: Path) -> Iterator[Path]:
+def replacing(out: Path) -> Iterator[Path]:
     """A new folder to write into; once the block ends, it takes the place of `out`.
 
     It lies beside `out` (one file system, so renames are atomic): `out` moves aside, the new
@@ -152,7 +152,7 @@ def export_model(
         # the run did wherever it is loaded (the template's file need not travel with it).
         tokenizer.chat_template = read_template(cfg.model.chat_template)
         cfg = replace(cfg, model=replace(cfg.model, chat_template=None))
-    with _replacing(out) as folder:
+    with replacing(out) as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
         (folder / RUN_CONFIG).write_text(dump_yaml(cfg))

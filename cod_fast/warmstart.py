@@ -166,6 +166,9 @@ def run_tokenizer(
         tokenizer = load_saved_tokenizer(tokenizer_folder(cfg.train.init_from))
     else:
         tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
-    if is_main:
-        tokenizer.save_pretrained(saved)
+    if is_main:  # whole or absent: the other ranks load it as soon as the folder exists
+        from cod_fast.export import replacing
+
+        with replacing(saved) as folder:
+            tokenizer.save_pretrained(folder)
     return tokenizer
