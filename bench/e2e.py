@@ -193,7 +193,6 @@ def _cod_config(preset: str, spec: dict, run_dir: str, **model):
         f"rollout.packs_per_step={spec['prompts']}",
         f"rollout.group_size={spec['group']}",
         f"rollout.max_response_tokens={n}",
-        f"algo.loss.max_response_len={n}",
         "rollout.eval_packs=0",
         "train.warm_start_steps=0",
         f"runtime.run_dir={run_dir}",
@@ -510,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     names = ("sizes", "contenders", "reps", "warmup", "prompts", "group", "max_completion")
     settings = {k: getattr(args, k) for k in names} | {"cod_sampler": args.cod_sampler}
     settings |= {"preset": PRESET, "multiturn_preset": MULTITURN_PRESET, "lr": cfg.train.lr}
-    settings |= {"temperature": cfg.algo.loss.temperature, "top_p": cfg.rollout.top_p}
+    settings |= {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
     summary: dict = {**meta, "settings": settings, "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="cod-fast-e2e-") as tmp:
         for size in args.sizes:

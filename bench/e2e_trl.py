@@ -25,7 +25,7 @@ def trl_config(spec: dict, cfg, output_dir: str, steps: int):
         gradient_accumulation_steps=1,
         num_generations=spec["group"],
         max_completion_length=spec["max_completion"],
-        temperature=loss.temperature,
+        temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         beta=0.0,
         epsilon=loss.eps_low,

@@ -251,7 +251,7 @@ def make_sampler(contender: str, folder: str, cfg):
     from cod_fast.config import ModelConfig
     from cod_fast.model import load_policy
 
-    kwargs = dict(temperature=cfg.algo.loss.temperature, top_p=cfg.rollout.top_p)
+    kwargs = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
     kwargs["seed"] = cfg.train.seed  # the trainer's training stream on rank 0
     if contender in ("torch", "generate"):
         from cod_fast.rollout.torch_sampler import TorchSampler
@@ -434,7 +434,7 @@ def _title(size: str, rows: list[dict], cfg, args, machine: str) -> str:
     return (
         f"rollouts of one RL step, `{size}` model ({model}) on {machine}: {PRESET} preset, "
         f"{args.packs} packs x {args.group} members, {cfg.rollout.tasks_per_pack} tasks per pack, "
-        f"responses <= {cfg.rollout.max_response_tokens} tokens, T={cfg.algo.loss.temperature:g}, "
+        f"responses <= {cfg.rollout.max_response_tokens} tokens, T={cfg.rollout.temperature:g}, "
         f"top_p={cfg.rollout.top_p:g}; {args.reps} timed steps after {args.warmup} untimed; "
         "x = ratio against torch in this run; peak MiB = growth of the peak resident set over a "
         "baseline after the imports; |dlogp| = |sampler - trainer| log-prob per trainable token"
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     meta = run_meta() | {"vllm": _vllm_version()}
     names = ("sizes", "contenders", "reps", "warmup", "packs", "group", "model")
     settings = {k: getattr(args, k) for k in names} | {"preset": PRESET}
-    settings |= {"temperature": cfg.algo.loss.temperature, "top_p": cfg.rollout.top_p}
+    settings |= {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
     settings |= {"max_response_tokens": cfg.rollout.max_response_tokens, "seed": cfg.train.seed}
     summary: dict = {**meta, "settings": settings, "load_average": os.getloadavg(), "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="cod-fast-sampler-") as tmp:

@@ -14,6 +14,7 @@ import platform
 import shlex
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -26,7 +27,7 @@ from cod_fast import __version__
 from cod_fast.cli_bench import SetOption, bench_app
 from cod_fast.cli_common import bad_model_input, fail
 from cod_fast.cli_play import envs_app, eval_command, rollout_command
-from cod_fast.config import Config, ConfigError
+from cod_fast.config import DERIVED, Config, ConfigError
 from cod_fast.config_doc import explain_config, sections
 from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.presets import DEFAULT_PRESET, PRESETS
@@ -90,9 +91,12 @@ def _resolve_config(
     one red line and exit code 2."""
     try:
         if cfg is None:
-            cfg = load_config(
-                preset, None if config_file is None else str(config_file), overrides or ()
-            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", FutureWarning)
+                cfg = load_config(
+                    preset, None if config_file is None else str(config_file), overrides or ()
+                )
+            _show_warnings(caught)
         if for_training:
             from cod_fast.preflight import preflight  # imports torch: only `train` pays for it
 
@@ -103,6 +107,22 @@ def _resolve_config(
             f"error: {e}", style="red", markup=False, highlight=False, soft_wrap=True
         )
         raise typer.Exit(2) from None
+
+
+def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    """Deprecations (FutureWarning) as one yellow line each on stderr, as errors are; any other
+    warning as Python shows it."""
+    for w in caught:
+        if issubclass(w.category, FutureWarning):
+            Console(stderr=True).print(
+                f"warning: {w.message}",
+                style="yellow",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
 
 
 def _version(distribution: str) -> str:
@@ -184,6 +204,10 @@ def config_show(
         typer.echo(dump_yaml(cfg), nl=False)
         return
     text = explain_config(cfg, key or "")
+    if not text and key in DERIVED:
+        fail(
+            f"--key: {key} is deprecated; it sets {DERIVED[key]}, explained by --key {DERIVED[key]}"
+        )
     if not text:
         fail(f"--key: no config key {key} or keys under it; the sections: {', '.join(sections())}")
     typer.echo(text, nl=False)
@@ -527,8 +551,19 @@ def _print_summary(summary: dict, console: Console) -> None:
             )
         console.print(table)
     state = "stopped early (resume with --resume)" if summary["stopped"] else "finished"
-    console.print(f"{state} at step {summary['steps']} in {summary['seconds']:.0f} s")
+    at = _step_name(summary["steps"], summary["warm_steps"])
+    console.print(f"{state} at {at} in {summary['seconds']:.0f} s")
     console.print(_where_and_next(summary), markup=False, highlight=False, soft_wrap=True)
+
+
+def _step_name(step: int, warm: int) -> str:
+    """A step by its combined index (checkpoints and metrics.jsonl count warm-start and RL
+    steps together) and by its phase: `step 2050 (warm start 2000 + RL 50)`."""
+    if not warm:
+        return f"step {step}"
+    if step <= warm:
+        return f"step {step} (warm start)"
+    return f"step {step} (warm start {warm} + RL {step - warm})"
 
 
 RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "curves.png", "rewards.png", "tb")
@@ -545,7 +580,8 @@ def _where_and_next(summary: dict) -> str:
     return "\n".join(
         (
             f"run directory {run_dir}: {', '.join(files)}",
-            f"checkpoints   {run_dir / 'checkpoints'} (latest: step {summary['steps']})",
+            f"checkpoints   {run_dir / 'checkpoints'}, the latest at "
+            f"{_step_name(summary['steps'], summary['warm_steps'])}",
             "next:",
             f"  cod-fast export {run} --out {out}    # a Hugging Face model folder",
             f"  cod-fast eval --model {out}    # its held-out evaluation, as the run's",

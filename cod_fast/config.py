@@ -26,6 +26,15 @@ Aggregation = Literal[
 ]
 EnvName = Literal["frozenlake", "alchemy", "terminal", "optimal_control", "pde", "grid_nav"]
 
+DERIVED = {
+    "algo.loss.temperature": "rollout.temperature",
+    "algo.loss.max_response_len": "rollout.max_response_tokens",
+}
+"""Loss fields a run sets from its rollout section (`Config.__post_init__`): one temperature and
+one response limit per run, written once. They are not keys of a run's config (YAML, `--set`,
+the reference); as keys they are deprecated spellings of the rollout keys (cod_fast.config_io),
+accepted for one release with a warning."""
+
 MAX_EVAL_PACKS = 100_000
 """The most packs one evaluation may play (`rollout.eval_packs`, `cod-fast eval --packs`): far
 above any real evaluation, and a seed list of that length costs nothing."""
@@ -184,10 +193,11 @@ class LossConfig(_Config):
     agg: Aggregation = "token-mean"
     """How per-token losses are reduced; the denominator is fixed for the whole optimizer step."""
     max_response_len: int = 512
-    """The fixed response length in the denominator of `seq-mean-token-sum-norm`; in a run it
-    must equal rollout.max_response_tokens (one limit, two sections)."""
+    """The fixed response length in the denominator of `seq-mean-token-sum-norm`. In a run it is
+    rollout.max_response_tokens (see DERIVED)."""
     temperature: float = 1.0
-    """Divides the logits in the loss and in the sampler; the only temperature of a run."""
+    """Divides the logits in the loss. In a run it is rollout.temperature, the sampler's (see
+    DERIVED)."""
     opd_coef: float = 1.0
     """Coefficient of the distillation advantage coef * (teach - logp) for `opd`."""
 
@@ -308,7 +318,11 @@ class RolloutConfig(_Config):
     tasks_per_pack: int = 4
     """K: tasks per pack (K solve episodes, K - 1 update episodes)."""
     max_response_tokens: int = 512
-    """Cap on the tokens of one model response."""
+    """Cap on the tokens of one model response; also the fixed length in the denominator of the
+    `seq-mean-token-sum-norm` aggregation."""
+    temperature: float = 1.0
+    """Sampling temperature of the training rollouts; the loss divides the logits by the same
+    number, so the trainer's log-probs are the sampler's."""
     max_hint_tokens: int = 256
     """Hints longer than this are truncated, not rejected."""
     min_hint_chars: int = 1
@@ -318,6 +332,8 @@ class RolloutConfig(_Config):
     top_p: float = 1.0
     """Nucleus sampling threshold; below 1 only in a run without RL steps (train.steps=0),
     whose evaluations it then shapes: the trainer's log-probs are over the full softmax."""
+    eval_temperature: float | None = None
+    """Sampling temperature of evaluations; null: `temperature` (training's)."""
     sampler: Literal["auto", "torch", "vllm"] = "auto"
     """Generation backend; `auto` takes the one measured faster on the device
     (cod_fast.rollout.choice; `cod-fast info` says which and why)."""
@@ -342,8 +358,6 @@ class RolloutConfig(_Config):
     """Packs rolled out per evaluation; 0 turns evaluation off."""
     eval_setting: Literal["train", "eval"] = "eval"
     """Rules of the held-out eval packs: the training distribution, or the harder eval setting."""
-    eval_temperature: float | None = None
-    """Sampling temperature of evaluations; null: the loss temperature (training's)."""
     length_penalty: float = 0.0
     """Subtracted from the reward of an episode with a response cut at max_response_tokens."""
     env_error_reward: float = 0.0
@@ -387,6 +401,7 @@ class RolloutConfig(_Config):
         self._at_most(MAX_EVAL_PACKS, "eval_packs")
         if self.env_timeout_s is not None:
             self._above(0, "env_timeout_s")
+        self._above(0, "temperature")
         self._require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
         if self.eval_temperature is not None:
             self._above(0, "eval_temperature")
@@ -447,7 +462,10 @@ class TrainConfig(_Config):
     steps: int = 30
     """Optimizer steps of RL."""
     lr: float = 1e-5
-    """AdamW learning rate."""
+    """AdamW learning rate of RL."""
+    lr_warmup: int = 0
+    """RL steps of linear learning-rate warmup (step j of RL uses lr x j / lr_warmup); 0: the
+    full lr from the first RL step."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -477,6 +495,9 @@ class TrainConfig(_Config):
     """Fraction of the demonstrations' update episodes that write another pack's hints instead
     of their own (cod_fast.warmstart.ScriptedDriver): the warm-started model then writes right
     hints only part of the time, and RL has hint quality to raise."""
+    carry_optimizer: bool = False
+    """RL continues the warm start's AdamW moments (at RL's learning rate) instead of starting a
+    fresh optimizer."""
     master_dtype: Literal["float32", "model"] = "float32"
     """The dtype of the weights the optimizer updates, of their gradients and of its state.
     `float32` with a 16-bit model.dtype is mixed precision: float32 master weights, compute in
@@ -499,6 +520,7 @@ class TrainConfig(_Config):
         if self.init_from is not None:
             self._require(bool(self.init_from.strip()), "init_from", "a folder path or null")
         self._at_least(0, "steps", "weight_decay", "warm_start_steps", "warm_start_warmup", "seed")
+        self._at_least(0, "lr_warmup")
         self._above(0, "lr", "grad_clip", "warm_start_lr")
         self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")
         # Over 100x the qwen3-1.7b preset's 32768 tokens and 16 packs per step.
@@ -560,13 +582,14 @@ class Config(_Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_teachers()
-        cap, norm = self.rollout.max_response_tokens, self.algo.loss.max_response_len
-        if cap != norm:
-            raise ConfigError(
-                "algo.loss.max_response_len",
-                f"got {norm} with rollout.max_response_tokens={cap}; expected the same number: "
-                "both are the longest response of the run; set both",
-            )
+        # The loss's copies of the sampling settings (DERIVED) follow the rollout's, always; a
+        # new AlgoConfig, so that one passed in by the caller is left as it was.
+        loss = dataclasses.replace(
+            self.algo.loss,
+            temperature=self.rollout.temperature,
+            max_response_len=self.rollout.max_response_tokens,
+        )
+        self.algo = dataclasses.replace(self.algo, loss=loss)
         if self.rollout.top_p < 1 and self.train.steps > 0:
             # Measured on the CPU engine (tests/test_vllm_engine.py): at top_p=0.8 the sampled
             # tokens' log-probs were 0.05-0.22 nats above the full softmax's.

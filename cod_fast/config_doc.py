@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cod_fast.config import Config, type_hints
+from cod_fast.config import DERIVED, Config, type_hints
 from cod_fast.config_io import to_dict
 from cod_fast.presets import DEFAULT_PRESET, PRESETS
 
@@ -40,6 +40,7 @@ COUNTERPARTS: dict[str, tuple[str, str]] = {
     "rollout.packs_per_step": ("", "data.train_batch_size"),
     "rollout.group_size": ("num_generations", "actor_rollout_ref.rollout.n"),
     "rollout.max_response_tokens": ("max_completion_length", "data.max_response_length"),
+    "rollout.temperature": ("temperature", "actor_rollout_ref.rollout.temperature"),
     "rollout.top_p": ("top_p", "actor_rollout_ref.rollout.top_p"),
     "rollout.vllm_gpu_memory_utilization": (
         "vllm_gpu_memory_utilization",
@@ -56,7 +57,6 @@ COUNTERPARTS: dict[str, tuple[str, str]] = {
     "algo.loss.entropy_coef": ("entropy_coef", "actor_rollout_ref.actor.entropy_coeff"),
     "algo.loss.rollout_correction": ("vllm_importance_sampling_mode", ""),
     "algo.loss.agg": ("loss_type", "actor_rollout_ref.actor.loss_agg_mode"),
-    "algo.loss.temperature": ("temperature", "actor_rollout_ref.rollout.temperature"),
     "train.steps": ("max_steps", "trainer.total_training_steps"),
     "train.lr": ("learning_rate", "actor_rollout_ref.actor.optim.lr"),
     "train.weight_decay": ("weight_decay", "actor_rollout_ref.actor.optim.weight_decay"),
@@ -145,6 +145,8 @@ def _keys(cls: type, defaults: dict[str, Any], prefix: str) -> Iterator[KeyDoc]:
     hints, docs = type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         hint, key = hints[f.name], prefix + f.name
+        if key in DERIVED:  # set from the rollout key, not a key of its own
+            continue
         if dataclasses.is_dataclass(hint):
             yield from _keys(hint, defaults[f.name], key + ".")  # type: ignore[arg-type]
             continue
@@ -275,6 +277,13 @@ def render_markdown() -> str:
         for key in changed
     ]
     lines += _table(["key", "default", *(f"`{name}`" for name in diffs)], rows)
+    lines += [
+        "## Deprecated keys",
+        "",
+        "Accepted for one more release with a warning; each sets the key that replaced it.",
+        "",
+    ]
+    lines += _table(["key", "use instead"], [[_code(o), _code(n)] for o, n in DERIVED.items()])
     return "\n".join(lines)
 
 

@@ -8,20 +8,71 @@ loader that refuses anchors and aliases, and every problem is a ConfigError nami
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import re
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
-from cod_fast.config import Config, ConfigError, clipped, shown, type_hints
+from cod_fast.config import DERIVED, Config, ConfigError, clipped, shown, type_hints
 from cod_fast.presets import DEFAULT_PRESET, PRESETS
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The config as a plain nested dict (what YAML files hold)."""
-    return dataclasses.asdict(cfg)  # type: ignore[call-overload]
+    """The config as a plain nested dict (what YAML files hold): a run's keys, without the
+    loss fields it derives from them (DERIVED)."""
+    data = dataclasses.asdict(cfg)  # type: ignore[call-overload]
+    if isinstance(cfg, Config):
+        for dotted in DERIVED:
+            *path, last = dotted.split(".")
+            del functools.reduce(operator.getitem, path, data)[last]
+    return data
+
+
+def _deprecated(old: str, where: str = "") -> str:
+    """The key that replaces the deprecated `old` (a DERIVED spelling), after a warning."""
+    new = DERIVED[old]
+    warnings.warn(
+        f"{old}{where} is deprecated and will be removed in the next release; it sets {new}, "
+        f"write {new} instead",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return new
+
+
+def _renamed(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """`data` (a config file's mapping) with each deprecated key moved to the key that replaces
+    it; both given with different values is an error naming both."""
+    for old in DERIVED:
+        *path, last = old.split(".")
+        section: Any = data
+        for key in path:
+            section = section.get(key) if isinstance(section, dict) else None
+        if not isinstance(section, dict) or last not in section:
+            continue
+        value, new = section.pop(last), _deprecated(old, f" (in {where})")
+        parent, new_last = _parent_section_or_make(data, new.split("."))
+        if new_last in parent and parent[new_last] != value:
+            raise ConfigError(
+                old,
+                f"got {shown(value)} and {new}={shown(parent[new_last])} (in {where}); "
+                f"expected only {new}",
+            )
+        parent[new_last] = value
+    return data
+
+
+def _parent_section_or_make(data: dict[str, Any], keys: list[str]) -> tuple[dict, str]:
+    """The dict that holds the last of `keys` (sections made where missing), and that key."""
+    node = data
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    return node, keys[-1]
 
 
 def from_dict(cls: type, data: Mapping[str, Any], path: str = "") -> Any:
@@ -137,6 +188,8 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
                 override, "missing '='; expected the form a.b.c=value, e.g. algo.loss.kl=k3"
             )
         dotted = dotted.strip()
+        if dotted in DERIVED:
+            dotted = _deprecated(dotted)
         keys = dotted.split(".")
         parent = _parent_section(data, keys)
         value = _parse_yaml(text, dotted)
@@ -170,7 +223,7 @@ def load_config(
 
     The file may name its preset with a top-level ``preset:`` key; the ``preset`` argument wins.
     """
-    file_data = _read_yaml_file(path) if path is not None else {}
+    file_data = _renamed(_read_yaml_file(path), path) if path is not None else {}
     file_preset = file_data.pop("preset", None)
     name = preset if preset is not None else file_preset or DEFAULT_PRESET
     if not isinstance(name, str) or name not in PRESETS:

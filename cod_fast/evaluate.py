@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cod_fast.config import Config
+from cod_fast.diagnostics import hint_checks, hint_metrics
 from cod_fast.distributed import DistContext, gather_objects
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
@@ -62,7 +63,7 @@ def run_eval_plans(cfg: Config) -> list[EvalPlan]:
 
 def run_eval_sampling(cfg: Config) -> dict[str, float | int]:
     """The eval sampler's temperature, top_p and seed for a run."""
-    temperature = cfg.rollout.eval_temperature or cfg.algo.loss.temperature
+    temperature = cfg.rollout.eval_temperature or cfg.rollout.temperature
     return {
         "temperature": temperature,
         "top_p": cfg.rollout.top_p,
@@ -110,15 +111,18 @@ def eval_defaults(cfg: Config | None) -> dict:
 def _rolled_out(
     driver: RolloutDriver, packs: list[PackSpec], ctx: DistContext | None
 ) -> PositionSummary:
-    """The summary of `packs` rolled out once each with keyed sampling; with `ctx`, each rank
-    plays every world_size-th pack and every rank gets the summary over all of them, in pack
-    order."""
+    """The summary of `packs` rolled out once each with keyed sampling, with the hint quality of
+    their update episodes; with `ctx`, each rank plays every world_size-th pack and every rank
+    gets the summary over all of them, in pack order."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     mine = driver.run(packs[rank::world], group_size=1, keyed=True)
-    rows = [(r.pack_id, *solve_results(r)) for r in mine]
+    rows = [(r.pack_id, *solve_results(r), hint_checks(r)) for r in mine]
     if ctx is not None:
-        rows = sorted(row for part in gather_objects(rows, ctx) for row in part)
-    return summarize([rewards for _, rewards, _ in rows], [s for _, _, s in rows])
+        parts = gather_objects(rows, ctx)
+        rows = sorted((row for part in parts for row in part), key=lambda row: row[0])
+    summary = summarize([row[1] for row in rows], [row[2] for row in rows])
+    summary.hints = hint_metrics([row[3] for row in rows])
+    return summary
 
 
 def evaluate(
@@ -149,6 +153,7 @@ def evaluate(
         "size": plan.size,
         "packs": plan.packs,
         "tasks": plan.tasks,
+        "hint_source": settings.hint_source,
         "results": results,
     }
     if out_dir is not None:

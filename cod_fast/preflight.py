@@ -239,7 +239,7 @@ def _check_token_budget(cfg: Config) -> None:
     tokens, parts = floor
     budget = cfg.train.token_budget
     if budget < tokens:
-        cap = "rollout.max_response_tokens (and algo.loss.max_response_len with it)"
+        cap = "rollout.max_response_tokens"
         lower = f", or lower {cap}" if cfg.train.steps > 0 else ""
         raise ConfigError(
             "train.token_budget",

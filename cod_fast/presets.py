@@ -43,7 +43,7 @@ def _tiny_cpu() -> Config:
             prompt_style="compact",
         ),
         algo=AlgoConfig(
-            loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=24),
+            loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28),
         ),
         # RL: lr 3e-4 for 90 steps (bench/results/rl_effect_w2000_lr3e-4_s90: the CoD change
         # +0.05 +- 0.02 over 3 seeds, where lr 1e-4 for 30 steps gave +0.03 +- 0.05).
@@ -120,9 +120,7 @@ def _qwen3_1_7b() -> Config:
             sampler="vllm",
         ),
         algo=AlgoConfig(
-            loss=LossConfig(
-                policy="rec_one_side", eps_low=0.2, eps_high=0.28, max_response_len=2048
-            ),
+            loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28),
         ),
         train=TrainConfig(steps=200, lr=1e-6, token_budget=32768),
         runtime=RuntimeConfig(device="cuda", run_dir="runs/qwen3-1.7b", checkpoint_every=20),

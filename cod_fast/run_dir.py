@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from cod_fast.checkpoint import LATEST, Checkpoint, complete_checkpoints, latest_checkpoint
-from cod_fast.config import Config, shown
+from cod_fast.config import DERIVED, Config, shown
 from cod_fast.config_io import load_config
 
 LOCK = ".lock"
@@ -128,7 +128,10 @@ def flat_config(cfg: Config) -> dict[str, Any]:
 def config_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
     """`field: old -> new` for every field outside RESUMABLE where `cfg` differs from the
     config a checkpoint was written with (`saved`, its flat_config)."""
-    old, new = saved, flat_config(cfg)
+    # Checkpoints written before a rollout key replaced a loss key (DERIVED) have only the
+    # loss's; its value is the one the rollout key now holds.
+    old = {**{n: saved[o] for o, n in DERIVED.items() if o in saved}, **saved}
+    new = flat_config(cfg)
     changed = []
     for key in sorted(old.keys() | new.keys()):
         if key.startswith(RESUMABLE) or old.get(key) == new.get(key):

@@ -45,6 +45,7 @@ from cod_fast.checkpoint import (
 )
 from cod_fast.config import Config, LossConfig
 from cod_fast.config_io import dump_yaml
+from cod_fast.diagnostics import credit_metrics
 from cod_fast.distributed import (
     DistContext,
     all_reduce_max,
@@ -135,9 +136,10 @@ def _mean(values: list[float]) -> float:
 
 
 def _episode_metrics(rollouts: list[Rollout], envs: list[str]) -> dict[str, Any]:
-    """Per-position reward, CoD gain, success, hint validity and response lengths of a batch;
-    in a mixed-domain run also reward by position, CoD gain and mean reward per environment
-    (`ENV/reward_by_position`, ...; null for an environment without a pack this step)."""
+    """Per-position reward, CoD gain, success, hint validity, hint quality (cod_fast.diagnostics)
+    and response lengths of a batch; in a mixed-domain run also reward by position, CoD gain and
+    mean reward per environment (`ENV/reward_by_position`, ...; null for an environment without
+    a pack this step)."""
     summary = summarize_rollouts(rollouts)
     episodes = [e for r in rollouts for e in r.episodes]
     updates = [e for e in episodes if e.kind == "update"]
@@ -153,6 +155,7 @@ def _episode_metrics(rollouts: list[Rollout], envs: list[str]) -> dict[str, Any]
         out["success_rate"] = _mean(summary.success_rate)
     if updates:
         out["hint_valid_frac"] = _mean([float(e.info.get("hints") is not None) for e in updates])
+    out.update(summary.hints)
     for env in envs if len(envs) > 1 else []:
         mine = [r for r in rollouts if r.env == env]
         part = summarize_rollouts(mine)
@@ -250,6 +253,12 @@ class Trainer:
         progress = min(step, self.warm_steps) / max(self.warm_steps, 1)
         return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
+    def _rl_lr(self) -> float:
+        """RL's learning rate at this step, a function of the step alone: a linear warmup over
+        train.lr_warmup RL steps, then train.lr."""
+        train, rl_step = self.cfg.train, self.step - self.warm_steps + 1
+        return train.lr * min(1.0, rl_step / max(train.lr_warmup, 1))
+
     def _sync_sampler(self) -> None:
         """Push the policy's weights into a sampler that holds its own copy."""
         if self.samplers.owns_weights:
@@ -284,6 +293,7 @@ class Trainer:
         self.log.close()
         return {
             "steps": self.step,
+            "warm_steps": self.warm_steps,
             "stopped": self.step < self.total_steps,
             "signal": self.stop_signal,
             "seconds": time.perf_counter() - started,
@@ -327,9 +337,9 @@ class Trainer:
         warm = self.step < self.warm_steps
         t0 = time.perf_counter()
         extra: dict[str, Any] = {}
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._warm_start_lr() if warm else self._rl_lr()
         if warm:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self._warm_start_lr()
             rollouts = self._demonstrations()
             t_sampled = t0
             update = self._update(rollouts, SFT_LOSS, mini_batches=1)
@@ -339,6 +349,7 @@ class Trainer:
             rollouts = [r for part in gather_objects(rollouts, self.ctx) for r in part]
             rollouts.sort(key=lambda r: (r.pack_id, r.member))
             extra["red_tau"] = assign_advantages(rollouts, self.cfg.algo)
+            extra.update(credit_metrics(rollouts))
             if hasattr(self.sampler, "sleep"):  # vLLM frees its memory for training
                 self.sampler.sleep()
             update = self._update(rollouts, self.cfg.algo.loss, self.cfg.train.mini_batches)
@@ -360,6 +371,7 @@ class Trainer:
         record: dict[str, Any] = {
             "step": self.step,
             "phase": "warm_start" if warm else "rl",
+            "phase_step": self.step if warm else self.step - self.warm_steps,
             **_episode_metrics(rollouts, [e.name for e in self.mix]),
             **extra,
             "loss": _mean([s.loss for s in update.steps]),
@@ -477,10 +489,12 @@ class Trainer:
     # --- phases, evaluation, checkpoints -------------------------------------------------------
 
     def _begin_rl(self) -> None:
-        """After the warm start: evaluate it, freeze the reference, start a fresh optimizer."""
+        """After the warm start: evaluate it, freeze the reference, start a fresh optimizer
+        (unless train.carry_optimizer keeps the warm start's)."""
         if self.warm_steps:
             self._evaluate("after warm start")
-            self.optimizer = self._optimizer(warm=False)
+            if not self.cfg.train.carry_optimizer:
+                self.optimizer = self._optimizer(warm=False)
         self._freeze_reference(model_state(self.policy, self.ctx), save=True)
 
     def _freeze_reference(self, state: dict[str, torch.Tensor], save: bool) -> None:

@@ -62,6 +62,16 @@ def test_bad_set_exits_2_with_a_one_line_error_naming_the_field():
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
 
 
+def test_a_deprecated_key_is_one_warning_line_and_still_applies():
+    """`--set algo.loss.temperature=...` (a key replaced by rollout.temperature) prints one
+    `warning:` line on stderr naming the new key and sets it."""
+    result = runner.invoke(app, ["config", "show", "--set", "algo.loss.temperature=0.9"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith("warning: algo.loss.temperature is deprecated")
+    assert result.stderr.count("\n") == 1 and "write rollout.temperature" in result.stderr
+    assert from_dict(Config, yaml.safe_load(result.stdout)).rollout.temperature == 0.9
+
+
 def test_bad_preset_and_missing_equals_exit_2():
     """An unknown preset and an override without '=' are clean errors too."""
     for args in (["--preset", "nope"], ["--set", "train.steps"]):

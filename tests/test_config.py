@@ -74,9 +74,9 @@ def test_task_by_task_preset_differs_from_tiny_cpu_only_in_the_algorithm():
         # Ranges.
         (["algo.loss.eps_low=1.0"], ["algo.loss.eps_low", "1.0", "[0, 1)"]),
         (["algo.loss.eps_high=-0.1"], ["algo.loss.eps_high", ">= 0"]),
-        (["algo.loss.temperature=0"], ["algo.loss.temperature", "> 0"]),
+        (["rollout.temperature=0"], ["rollout.temperature", "> 0"]),
         (["algo.loss.mis_high=0.4"], ["algo.loss.mis_high", "> 0.5"]),
-        (["algo.loss.max_response_len=0"], ["algo.loss.max_response_len", ">= 1"]),
+        (["rollout.max_response_tokens=0"], ["rollout.max_response_tokens", ">= 1"]),
         (["rollout.group_size=1"], ["rollout.group_size", ">= 2"]),
         (["rollout.top_p=0"], ["rollout.top_p", "(0, 1]"]),
         (["rollout.vllm_gpu_memory_utilization=1"], ["vllm_gpu_memory_utilization", "(0, 1)"]),
@@ -343,14 +343,46 @@ def test_mixed_environments_resolve_and_validate():
     assert "expected a list of" in _error([*off, "rollout.envs=pde"])
 
 
-def test_response_caps_of_rollout_and_loss_must_agree():
-    """rollout.max_response_tokens and algo.loss.max_response_len are one limit: a config where
-    they differ is refused naming both; set together they pass."""
-    message = _error(["rollout.max_response_tokens=64"])
-    assert "algo.loss.max_response_len" in message and "max_response_tokens=64" in message
-    both = ["rollout.max_response_tokens=64", "algo.loss.max_response_len=64"]
-    assert load_config(overrides=both).algo.loss.max_response_len == 64
-    assert Config().algo.loss.max_response_len == Config().rollout.max_response_tokens
+def test_the_loss_takes_its_temperature_and_response_limit_from_the_rollout():
+    """One temperature and one response limit per run: the loss's copies follow the rollout
+    keys in every preset and after overrides, and are no keys of the run's YAML."""
+    cfg = load_config(overrides=["rollout.max_response_tokens=64", "rollout.temperature=0.7"])
+    assert (cfg.algo.loss.max_response_len, cfg.algo.loss.temperature) == (64, 0.7)
+    for name in PRESETS:
+        c = load_config(name)
+        assert c.algo.loss.max_response_len == c.rollout.max_response_tokens, name
+        assert c.algo.loss.temperature == c.rollout.temperature, name
+    loss_yaml = dump_yaml(cfg).split("\n  loss:\n")[1].split("\ntrain:")[0]
+    assert "temperature" not in loss_yaml and "max_response_len" not in loss_yaml
+    assert from_dict(Config, yaml.safe_load(dump_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "value"),
+    [
+        ("algo.loss.temperature", "rollout.temperature", 0.6),
+        ("algo.loss.max_response_len", "rollout.max_response_tokens", 40),
+    ],
+)
+def test_deprecated_loss_keys_set_the_rollout_keys_with_a_warning(old, new, value, tmp_path):
+    """The loss keys the rollout keys replaced still work for one release, as `--set` and in a
+    file, each with a FutureWarning naming the new key; a file giving both, differently, is
+    refused naming both."""
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated.*write {new}"):
+        cfg = load_config(overrides=[f"{old}={value}"])
+    assert _value(cfg, new) == value
+    section, key = old.split(".")[1:]
+    path = tmp_path / "old.yaml"
+    path.write_text(f"algo:\n  {section}:\n    {key}: {value}\n")
+    with pytest.warns(FutureWarning, match=f"{old} \\(in {path}\\) is deprecated"):
+        assert _value(load_config(path=str(path)), new) == value
+    rollout_key = new.split(".")[1]
+    path.write_text(f"algo:\n  {section}:\n    {key}: {value}\nrollout:\n  {rollout_key}: 3\n")
+    with (
+        pytest.warns(FutureWarning),
+        pytest.raises(ConfigError, match=f"{old}: got {value} and {new}=3"),
+    ):
+        load_config(path=str(path))
 
 
 def test_top_p_below_one_is_refused_for_rl_naming_the_cause_and_the_fix():
@@ -374,7 +406,6 @@ BOUNDS = {
     "rollout.tasks_per_pack": 1024,
     "rollout.max_response_tokens": 2**17,
     "rollout.max_hint_tokens": 2**17,
-    "algo.loss.max_response_len": 2**17,
     "train.token_budget": 2**22,
     "train.warm_start_packs": 4096,
     "model.hidden_size": 2**16,
@@ -383,8 +414,6 @@ BOUNDS = {
     "model.vocab_size": 2**20,
 }
 """Every bounded size and its bound (cod_fast/config.py: 64x the largest preset's or more)."""
-TOGETHER = {"rollout.max_response_tokens": "algo.loss.max_response_len"}
-"""Fields that must equal another one, set with it where a config is to pass."""
 
 
 @pytest.mark.parametrize(("field", "bound"), BOUNDS.items(), ids=BOUNDS.keys())
@@ -392,10 +421,8 @@ def test_sizes_are_bounded_far_above_any_run(field, bound):
     """A size is accepted at its bound and refused one above it with a ConfigError naming the
     field and the bound: rollout.eval_packs=10**9 used to build a billion-seed list and run out
     of memory a minute into the run."""
-    partners = {v: k for k, v in TOGETHER.items()} | TOGETHER
-    together = [f"{partners[field]}={bound}"] if field in partners else []
-    assert _value(load_config(overrides=[f"{field}={bound}", *together]), field) == bound
-    message = _error([f"{field}={bound + 1}", *together])
+    assert _value(load_config(overrides=[f"{field}={bound}"]), field) == bound
+    message = _error([f"{field}={bound + 1}"])
     assert message == f"{field}: got {bound + 1}; expected at most {bound} (far above any run)"
 
 

@@ -44,7 +44,6 @@ def save_run_model(path, seed: int, packs: int):
         f"rollout.eval_packs={packs}",
         "rollout.tasks_per_pack=2",
         "rollout.max_response_tokens=3",
-        "algo.loss.max_response_len=3",
         "rollout.length_penalty=1.0",
     ]
     (path / RUN_CONFIG).write_text(dump_yaml(load_config("tiny-cpu", overrides=overrides)))

@@ -228,7 +228,7 @@ def test_train_refuses_a_sampler_batch_whose_kv_cache_cannot_fit(
     with 2^17-token responses, needs over 18 TiB of KV cache in the torch sampler (every live
     episode decodes in one batch). Refused before the Trainer with the estimate (rows x tokens
     x bytes a token) and the fix."""
-    caps = [f"rollout.max_response_tokens={response}", f"algo.loss.max_response_len={response}"]
+    caps = [f"rollout.max_response_tokens={response}"]
     sets = [*sets, *caps]
     tokens = 1 + response
     message = _refused(built, field, *(x for s in sets for x in ("--set", s)))

@@ -142,7 +142,9 @@ def test_train_writes_curves_and_its_summary_names_the_next_commands(train_resul
     result, run = train_result
     assert result.exit_code == 0, result.output
     assert (run / "curves.png").read_bytes()[:8] == PNG
-    assert f"checkpoints   {run / 'checkpoints'} (latest: step 4)" in result.stdout
+    latest = "the latest at step 4 (warm start 2 + RL 2)"
+    assert f"checkpoints   {run / 'checkpoints'}, {latest}" in result.stdout
+    assert "finished at step 4 (warm start 2 + RL 2) in" in result.stdout
     assert f"cod-fast export {run} --out {run}-model" in result.stdout
     assert f"cod-fast eval --model {run}-model" in result.stdout
 

@@ -170,7 +170,6 @@ def test_length_penalty_from_config():
         "tiny-cpu",
         overrides=[
             "rollout.max_response_tokens=1",
-            "algo.loss.max_response_len=1",
             "rollout.length_penalty=0.5",
             "rollout.env_timeout_s=null",
         ],

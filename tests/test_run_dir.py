@@ -217,3 +217,17 @@ def test_config_changes_name_what_a_resume_may_not_change():
     changes = config_changes(saved, other)
     assert [c.split(":")[0] for c in changes] == ["algo.loss.eps_high", "rollout.envs", "train.lr"]
     assert "0.28 -> 0.3" in changes[0]
+
+
+def test_a_checkpoint_from_before_the_rollout_temperature_key_resumes():
+    """A checkpoint's config written when the temperature was the loss's key (no
+    rollout.temperature in it) resumes under the same temperature, and a changed one is named
+    under the new key."""
+    saved = flat_config(load_config("tiny-cpu", overrides=["rollout.temperature=0.8"]))
+    del saved["rollout.temperature"]
+    assert saved["algo.loss.temperature"] == 0.8
+    assert (
+        config_changes(saved, load_config("tiny-cpu", overrides=["rollout.temperature=0.8"])) == []
+    )
+    changes = config_changes(saved, load_config("tiny-cpu"))
+    assert changes == ["algo.loss.temperature: 0.8 -> 1.0", "rollout.temperature: 0.8 -> 1.0"]

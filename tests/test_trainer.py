@@ -35,7 +35,6 @@ FAST = [
     "rollout.group_size=2",
     "rollout.eval_packs=2",
     "rollout.max_response_tokens=12",
-    "algo.loss.max_response_len=12",
     "train.warm_start_steps=2",
     "train.warm_start_packs=2",
     "train.steps=2",
@@ -73,6 +72,7 @@ def test_cli_train_smoke_writes_a_run_directory(tmp_path):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
     assert [r["phase"] for r in lines] == ["warm_start"] * 2 + ["rl"] * 2
+    assert [r["phase_step"] for r in lines] == [1, 2, 1, 2]
     for r in lines:
         assert len(r["reward_by_position"]) == 4 and r["tokens"] > 0 and r["step_s"] > 0
         assert r["loss"] is not None and r["grad_norm"] >= 0
@@ -293,7 +293,7 @@ def test_warm_start_hint_noise_reaches_the_demonstrations(tmp_path):
     pack's hints (the agents are alike up to there, so a clean run shows each pack's own)."""
 
     def first_hints(noise, name):
-        caps = ["rollout.max_response_tokens=24", "algo.loss.max_response_len=24"]
+        caps = ["rollout.max_response_tokens=24"]
         packs = "train.warm_start_packs=6"
         cfg = config(tmp_path / name, *caps, packs, f"train.warm_start_hint_noise={noise}")
         rollouts = Trainer(cfg)._demonstrations()
@@ -355,3 +355,25 @@ def test_init_from_starts_where_the_source_ended(tmp_path):
 
     missing = runner.invoke(app, [*args, "--init-from", str(tmp_path / "nothing")])
     assert missing.exit_code == 2 and "train.init_from" in missing.output
+
+
+def test_rl_learning_rate_warms_up_linearly_over_its_own_steps(tmp_path):
+    """train.lr_warmup=4: RL step j (counted from the end of the warm start) logs lr x j/4, and
+    a resumed run continues the ramp where it stopped (the lr is a function of the step)."""
+    extra = ["train.steps=3", "train.lr=0.004", "train.lr_warmup=4"]
+    Trainer(config(tmp_path / "a", *extra)).run()
+    rl = [r["lr"] for r in metrics(tmp_path / "a") if r["phase"] == "rl"]
+    assert rl == pytest.approx([0.001, 0.002, 0.003], rel=1e-12)
+    warm = [r["lr"] for r in metrics(tmp_path / "a") if r["phase"] == "warm_start"]
+    assert all(lr != 0.001 for lr in warm)
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_carry_optimizer_keeps_the_warm_starts_adam_moments(tmp_path, carry):
+    """With train.carry_optimizer RL's AdamW has taken every step of the run (its moments come
+    from the warm start); without, a fresh optimizer has taken only the RL steps."""
+    trainer = Trainer(config(tmp_path / "run", f"train.carry_optimizer={str(carry).lower()}"))
+    trainer.run()
+    steps = {float(s["step"]) for s in trainer.optimizer.state.values()}
+    assert steps == {4.0 if carry else 2.0}
+    assert all(g["lr"] == trainer.cfg.train.lr for g in trainer.optimizer.param_groups)

@@ -94,7 +94,7 @@ def build_samplers(
     """
     kind, reason = choose_sampler(cfg.rollout.sampler, ctx.device.type, head_dim(model.config))
     compute = resolve_dtype(cfg.model, ctx.device)
-    temperature, top_p = cfg.algo.loss.temperature, cfg.rollout.top_p
+    temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     eval_temperature, eval_seed = eval_sampling["temperature"], eval_sampling["seed"]
     seed = cfg.train.seed + 1_000 * ctx.rank
     if kind == "vllm":
