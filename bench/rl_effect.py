@@ -1,15 +1,20 @@
 """What RL adds over the warm start: CoD RL and task-by-task RL from one shared checkpoint.
 
-    python -m cod_fast.bench.rl_effect [--warm-steps 2000] [--rl-steps 30] [--seeds 0,1,2]
-        [--set KEY=VALUE ...] [--out DIR]          # or: cod-fast bench rl-effect ...
+    python -m cod_fast.bench.rl_effect [--warm-steps 2000] [--rl-steps 150] [--seeds 0,1,2,3,4]
+        [--eval-packs 1024] [--set KEY=VALUE ...] [--warm-set KEY=VALUE ...] [--out DIR]
+                                               # or: cod-fast bench rl-effect ...
 
-1. One warm start (`train.steps=0`): supervised steps on scripted demonstrations, the
+1. One warm start (`train.steps=0`; `--warm-set` overrides apply to it alone, e.g.
+   `train.warm_start_hint_dropout=0.5`): supervised steps on scripted demonstrations, the
    checkpoint every arm starts from.
 2. For each seed, a CoD-RL arm and a task-by-task-RL arm, both `--init-from` that checkpoint
    with the same compute (steps, packs, group), each with its own seed for sampling and packs.
 3. Every run is evaluated with the same CoD protocol (update episodes, hints carried forward)
-   on the same held-out packs before its first RL step and after its last, so an arm's change is
-   paired with its own "before" row (same eval sampling seed).
+   on the same `--eval-packs` held-out packs before its first RL step and after its last, so an
+   arm's change is paired with its own "before" row (same eval sampling seed).
+4. The two arms of a seed share that seed's eval stream (packs and sampling keys), so their
+   difference is paired too: per seed, CoD's gain after RL minus task-by-task's, and CoD's change
+   minus task-by-task's, reported with their mean, standard deviation and standard error.
 
 Every run is its own `cod-fast train` process (`--set` overrides go to all of them; the preset
 is tiny-cpu). Output: a table of the last-minus-first gain (mean and standard deviation over
@@ -70,8 +75,13 @@ def run(args) -> dict:
     runs.mkdir(parents=True, exist_ok=True)
     warm = runs / "warm"
     if not (warm / "checkpoints" / "latest").exists():
-        train_process(PRESET, warm, [*args.set, "train.steps=0", f"train.warm_start_steps={args.warm_steps}"],
-               runs / "warm.log")  # fmt: skip
+        # Its own evaluations would repeat every arm's "start" row: none.
+        settings = [
+            "train.steps=0",
+            f"train.warm_start_steps={args.warm_steps}",
+            "rollout.eval_packs=0",
+        ]
+        train_process(PRESET, warm, [*args.set, *args.warm_set, *settings], runs / "warm.log")
     arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for seed in args.seeds:
         for arm in ARMS:
@@ -84,15 +94,16 @@ def run(args) -> dict:
                     f"train.seed={seed}",
                     f"algo.algorithm={arm}",
                     f"train.init_from={warm}",
+                    f"rollout.eval_packs={args.eval_packs}",
                 ]
                 train_process(PRESET, run_dir, overrides, runs / f"{arm}-seed{seed}.log")
             evals = evaluations(run_dir)
             arms[arm].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
-    return _summarize(arms, args)
+    return _summarize(arms)
 
 
-def _summarize(arms: dict[str, list[dict]], args) -> dict:
-    results = {}
+def _summarize(arms: dict[str, list[dict]]) -> dict:
+    results: dict[str, dict] = {}
     for arm, seeds in arms.items():
         before = [s["before"]["cod_gain"] for s in seeds]
         after = [s["after"]["cod_gain"] for s in seeds]
@@ -108,22 +119,50 @@ def _summarize(arms: dict[str, list[dict]], args) -> dict:
                 for p in zip(*(s["before"]["mean_reward"] for s in seeds), strict=True)
             ],
             "eval_packs": seeds[0]["after"]["num_packs"],
+            "diagnostics": _diagnostics([s["after"] for s in seeds]),
         }
-    return results
+    return {"arms": results, "paired": _paired(arms)}
+
+
+def _paired(arms: dict[str, list[dict]]) -> dict:
+    """Per seed, CoD minus task-by-task: the gain after RL and the change RL made (each arm's
+    after minus its own before); each as per-seed values, mean, standard deviation and standard
+    error of the mean."""
+    by_seed = {arm: {s["seed"]: s for s in seeds} for arm, seeds in arms.items()}
+    seeds = sorted(by_seed["cod"].keys() & by_seed["task_by_task"].keys())
+
+    def difference(value) -> dict:
+        diffs = [value(by_seed["cod"][s]) - value(by_seed["task_by_task"][s]) for s in seeds]
+        mean, std = spread(diffs)
+        return {"per_seed": diffs, "mean": mean, "std": std, "sem": std / len(diffs) ** 0.5}
+
+    return {
+        "seeds": seeds,
+        "gain_after": difference(lambda s: s["after"]["cod_gain"]),
+        "gain_change": difference(lambda s: s["after"]["cod_gain"] - s["before"]["cod_gain"]),
+    }
+
+
+def _diagnostics(rows: list[dict]) -> dict[str, float]:
+    """The mean over seeds of every hint-quality field of the final evaluations (the fields an
+    environment with a ground truth reports, docs/run-directory.md)."""
+    keys = sorted({k for row in rows for k, v in row.items() if k.startswith("hint_")
+                   and isinstance(v, int | float)})  # fmt: skip
+    return {k: statistics.fmean(row[k] for row in rows if k in row) for k in keys}
 
 
 def _plot(results: dict, path: Path) -> None:
     from cod_fast.metrics import PositionSummary, plot_positions
 
     curves = {}
-    first = next(iter(results.values()))
+    first = next(iter(results["arms"].values()))
     curves["shared checkpoint (before RL)"] = PositionSummary(
         mean_reward=[m for m, _ in first["before_by_position"]],
         success_rate=None,
         num_packs=first["eval_packs"],
         std_error=[s for _, s in first["before_by_position"]],
     )
-    for arm, r in results.items():
+    for arm, r in results["arms"].items():
         curves[f"after {arm} RL"] = PositionSummary(
             mean_reward=[m for m, _ in r["after_by_position"]],
             success_rate=None,
@@ -151,9 +190,13 @@ TABLE = (
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warm-steps", type=int, default=2000)
-    parser.add_argument("--rl-steps", type=int, default=30)
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
+    parser.add_argument("--rl-steps", type=int, default=150)
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated train.seed values")
+    parser.add_argument("--eval-packs", type=int, default=1024, help="held-out packs per eval")
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+    parser.add_argument(
+        "--warm-set", action="append", default=[], help="KEY=VALUE for the warm start only"
+    )
     parser.add_argument("--out", default="bench/results/rl_effect")
     args = parser.parse_args(argv)
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -170,13 +213,35 @@ def main(argv: list[str] | None = None) -> dict:
             "gain_change": fmt_spread(r["gain_change"]),
             "positions": " ".join(f"{m:.3f}" for m, _ in r["after_by_position"]),
         }
-        for arm, r in results.items()
+        for arm, r in results["arms"].items()
     ]
+    paired = results["paired"]
+    rows.append(
+        {
+            "arm": "cod - task_by_task",
+            "seeds": ",".join(map(str, paired["seeds"])),
+            "gain_before": "",
+            "gain_after": _fmt_paired(paired["gain_after"]),
+            "gain_change": _fmt_paired(paired["gain_change"]),
+            "positions": "(paired per seed)",
+        }
+    )
     _print_table("RL effect (gain = last position - first, mean +- std over seeds)", TABLE, rows)
     meta = run_meta()
     _append_csv(out / "rl_effect.csv", TABLE, rows, meta)
-    settings = {"warm_steps": args.warm_steps, "rl_steps": args.rl_steps, "set": args.set}
-    return emit_summary({**meta, "settings": settings, "arms": results}, out / "rl_effect.json")
+    settings = {
+        "warm_steps": args.warm_steps,
+        "rl_steps": args.rl_steps,
+        "eval_packs": args.eval_packs,
+        "set": args.set,
+        "warm_set": args.warm_set,
+    }
+    return emit_summary({**meta, "settings": settings, **results}, out / "rl_effect.json")
+
+
+def _fmt_paired(d: dict) -> str:
+    """A paired difference as `+0.123 +- 0.045 (se 0.020)`."""
+    return f"{fmt_spread((d['mean'], d['std']))} (se {d['sem']:.3f})"
 
 
 if __name__ == "__main__":

@@ -223,17 +223,26 @@ def bench_share(
 @bench_app.command("rl-effect")
 def bench_rl_effect(
     warm_steps: Annotated[int | None, typer.Option(help="Warm-start steps [2000].")] = None,
-    rl_steps: Annotated[int | None, typer.Option(help="RL steps per arm [30].")] = None,
-    seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds [0,1,2].")] = None,
+    rl_steps: Annotated[int | None, typer.Option(help="RL steps per arm [150].")] = None,
+    seeds: Annotated[str | None, typer.Option(help="Comma-separated seeds [0,1,2,3,4].")] = None,
+    eval_packs: Annotated[
+        int | None, typer.Option(help="Held-out packs per evaluation [1024].")
+    ] = None,
     overrides: SetOption = None,
+    warm_overrides: Annotated[
+        list[str] | None,
+        typer.Option("--warm-set", help="Override a field of the warm start only (repeatable)."),
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Folder for the runs and results.")] = None,
 ) -> None:
     """CoD RL vs task-by-task RL from one shared warm-start checkpoint, over seeds, both
-    evaluated with the CoD protocol (cod_fast.bench.rl_effect)."""
+    evaluated with the CoD protocol on the same packs; the per-seed paired difference
+    (cod_fast.bench.rl_effect)."""
     from cod_fast.bench import rl_effect
 
     options = {"warm-steps": warm_steps, "rl-steps": rl_steps, "seeds": seeds, "out": out}
-    rl_effect.main(_bench_argv(options, set=overrides))
+    options["eval-packs"] = eval_packs
+    rl_effect.main(_bench_argv(options, set=overrides, **{"warm-set": warm_overrides}))
 
 
 @bench_app.command("seeds")
