@@ -121,6 +121,7 @@ def cases() -> list[KernelCase]:
             KL=KL_CODES[kl],
             HAS_ADV=True,
             HAS_ENTROPY_GRAD=True,
+            HAS_ENT_VEC=False,
         )
         out.append(
             KernelCase(
@@ -140,6 +141,16 @@ def cases() -> list[KernelCase]:
             {**ppo.constexprs, **narrow},
             row_launch,
             narrow_types,
+        )
+    )
+    # ... and with a per-token entropy weight (algo.loss.update_entropy_coef).
+    out.append(
+        KernelCase(
+            "rows_fused_ppo_klk3_entvec",
+            ppo.kernel,
+            {**ppo.constexprs, "HAS_ENT_VEC": True},
+            row_launch,
+            targets,
         )
     )
     return out

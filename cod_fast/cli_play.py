@@ -34,7 +34,12 @@ def _print_positions(title: str, label: str, rows: dict) -> None:
 
 
 EnvSizeOption = Annotated[str, typer.Option("--size", help="full (the specified sizes) or tiny.")]
-EnvArgument = Annotated[str, typer.Argument(help="Environment name (see `cod-fast envs list`).")]
+EnvArgument = Annotated[
+    str,
+    typer.Argument(
+        help="Environment name (see `cod-fast envs list`) or path (module:Class, file.py:Class)."
+    ),
+]
 
 
 def _make_env(name: str, setting: str, size: str):
@@ -48,15 +53,21 @@ def _make_env(name: str, setting: str, size: str):
 
 @envs_app.command("list")
 def envs_list() -> None:
-    """The environments and what each asks of the agent."""
-    from cod_fast.envs import ENVIRONMENTS, env_class
+    """The environments and what each asks of the agent: the built-in ones, those registered
+    with @cod_fast.envs.register and those of installed packages' entry points."""
+    from cod_fast.envs import EnvironmentLookupError, env_class, known_environments
 
     table = Table(title="CoD environments")
     for column in ("name", "description", "reward shown to update episode"):
         table.add_column(column)
-    for name in ENVIRONMENTS:
-        cls = env_class(name)
-        table.add_row(name, Text(cls.description), "yes" if cls.reveals_reward else "no")
+    for name in known_environments():
+        try:
+            cls = env_class(name)
+        except EnvironmentLookupError as e:  # one broken plugin leaves the others listed
+            table.add_row(name, Text(str(e)), "")
+            continue
+        shows = "yes" if cls.reveals_reward else "no"
+        table.add_row(name, Text(getattr(cls, "description", "")), shows)
     Console().print(table)
 
 
@@ -75,11 +86,16 @@ def envs_solve(
 
     environment = _make_env(env, setting, size)
     seeds = pack_seeds("eval" if setting == "eval" else "train", packs)
-    agents = (
-        ("solver", environment.solver, True),
+    agents = [("solver", environment.solver, True)] * environment.has_solver()
+    agents += [
         ("explorer, hints", environment.explorer, True),
         ("explorer, no hints", environment.explorer, False),
-    )
+    ] * environment.has_explorer()
+    if not agents:
+        fail(f"{env} has neither a scripted solver nor an explorer: there is nothing to play")
+    if len(agents) < 3:
+        missing = "explorer" if environment.has_solver() else "solver"
+        _to_stderr(f"{env} has no scripted {missing}: its rows are left out")
     rows = {}
     for label, factory, use_hints in agents:
         results = [play_pack(environment, factory(), seed, tasks, use_hints) for seed in seeds]
@@ -87,6 +103,34 @@ def envs_solve(
     _print_positions(
         f"{env} ({setting}, {size}): mean reward by pack position, {packs} packs", "agent", rows
     )
+
+
+@envs_app.command("check")
+def envs_check(
+    env: EnvArgument,
+    size: EnvSizeOption = "full",
+    packs: Annotated[
+        int, typer.Option(help="Packs per setting for the solver and the explorer.")
+    ] = 8,
+) -> None:
+    """Check an environment against the contract the built-in ones pass (cod_fast.envs.check):
+    its declarations, both settings, determinism, hostile actions, rewards in its range, its
+    solver and explorer. One line per check; exit code 1 if any failed."""
+    from cod_fast.envs import EnvironmentLookupError
+    from cod_fast.envs.check import run_checks
+
+    if size not in ("tiny", "full"):
+        fail(f"--size: got {size!r}; expected tiny or full")
+    _check_packs(packs)
+    try:
+        results = run_checks(env, size, packs)  # type: ignore[arg-type]
+    except EnvironmentLookupError as e:
+        fail(str(e))
+    typer.echo(f"{env} ({size})")
+    for result in results:
+        typer.echo(result.line())
+    if any(r.status == "FAILED" for r in results):
+        raise typer.Exit(1)
 
 
 @envs_app.command("play")
@@ -187,9 +231,10 @@ def _to_stderr(line: str) -> None:
 
 class _Working:
     """Progress of the long calls of `eval` and `rollout` (loading a model, evaluating, playing
-    packs), which report none of their own. On stderr, so that stdout stays the results (a pipe
-    of `rollout --json`): on a terminal a pulsing bar labelled with the stage and the time so
-    far (log lines print above it), elsewhere one line per stage and one when all is done."""
+    packs). On stderr, so that stdout stays the results (a pipe of `rollout --json`): on a
+    terminal a bar labelled with the stage and the time so far (log lines print above it),
+    pulsing until the stage counts its tasks (`tasks`), elsewhere one line per stage, one per
+    quarter of its tasks, and one when all is done."""
 
     def __init__(self) -> None:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -206,6 +251,7 @@ class _Working:
             redirect_stdout=False,
         )
         self.task = self.progress.add_task("", total=None)
+        self.what, self.part, self.shown = "", "", 0  # the stage, its part, quarters shown
         self.started = time.monotonic()
 
     def __enter__(self) -> _Working:
@@ -219,9 +265,26 @@ class _Working:
 
     def stage(self, what: str) -> None:
         """The work turns to `what` (loading a model, evaluating, ...)."""
-        self.progress.update(self.task, description=what)
+        self.progress.reset(self.task, total=None, description=what)
+        self.what, self.part, self.shown = what, "", 0
         if self.plain:
             self._line(f"{what}...")
+
+    def tasks(self, done: int, total: int, part: str = "") -> None:
+        """`done` of the stage's `total` tasks are played (of `part`, when it has several; a
+        new part counts afresh)."""
+        if part != self.part:
+            self.part, self.shown = part, 0
+        what = f"{self.what}: {part}" if part else self.what
+        self.progress.update(self.task, description=what, completed=done, total=total)
+        quarter = 4 * done // max(total, 1)
+        if self.plain and quarter > self.shown:
+            self.shown = quarter
+            self._line(f"{what}: {done}/{total} tasks")
+
+    def part_tasks(self, part: str, done: int, total: int) -> None:
+        """`tasks` as an evaluation reports them (cod_fast.evaluate.evaluate's on_progress)."""
+        self.tasks(done, total, part)
 
     def _line(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -239,8 +302,9 @@ EnvsOption = Annotated[
     list[str] | None,
     typer.Option(
         "--env",
-        help="The training environment (in-domain) \\[frozenlake]; with --matrix the columns "
-        "(repeatable) \\[every environment].",
+        help="The training environment (in-domain) \\[frozenlake], a name or a path "
+        "(module:Class, file.py:Class); with --matrix the columns (repeatable) \\[the built-in "
+        "environments].",
     ),
 ]
 
@@ -248,7 +312,9 @@ EnvsOption = Annotated[
 def eval_command(
     model: ModelsOption,
     env: EnvsOption = None,
-    cross_domain: Annotated[bool, typer.Option(help="Also every other environment.")] = False,
+    cross_domain: Annotated[
+        bool, typer.Option(help="Also every other built-in environment.")
+    ] = False,
     ralph: Annotated[
         bool, typer.Option(help="Also the Ralph-loop pack strategies (always in a --matrix).")
     ] = False,
@@ -275,6 +341,14 @@ def eval_command(
     temperature: TemperatureOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = None,
+    hints: Annotated[
+        str,
+        typer.Option(
+            help="The hints before each task after the first: own (the model's update "
+            "episodes), oracle (the hidden rule), explorer (what the scripted explorer reads "
+            "from the model's own moves) or none. Only own samples update episodes.",
+        ),
+    ] = "own",
     out: Annotated[
         Path, typer.Option(help="Folder for eval.json and eval.png (matrix.json, matrix.png).")
     ] = Path("runs/eval"),
@@ -283,17 +357,25 @@ def eval_command(
 
     A model written by `cod-fast export` (or its run directory) is evaluated as its run
     evaluated it: with no flag but --model the result is the run's last eval row. Every run is
-    evaluated with the CoD protocol (update episodes, hints carried forward). `--matrix` puts
-    several models side by side, each with its own settings but the environment."""
-    from cod_fast.envs import ENVIRONMENTS
+    evaluated with the CoD protocol (update episodes, hints carried forward); `--hints` puts
+    other hints in place of the model's. `--matrix` puts several models side by side, each with
+    its own settings but the environment."""
+    import dataclasses
+
+    from cod_fast.envs import ENVIRONMENTS, make_env
     from cod_fast.envs.packs import STRATEGIES
     from cod_fast.evaluate import EvalPlan, evaluate
+    from cod_fast.rollout.driver import HINT_SOURCES, check_hint_source
 
     flags = _play_flags(locals())
     _check_packs(packs)
     strategies = tuple(strategy or (STRATEGIES if ralph or matrix else ("cod",)))
     if unknown := [s for s in strategies if s not in STRATEGIES]:
         fail(f"unknown --strategy {unknown}; choose from {', '.join(STRATEGIES)}")
+    if hints not in HINT_SOURCES:
+        fail(f"unknown --hints {hints!r}; choose from {', '.join(HINT_SOURCES)}")
+    if matrix and hints != "own":
+        fail("--hints evaluates one model; --matrix plays every model with its own hints")
     if matrix:
         envs = list(env or ENVIRONMENTS)
         envs += [n for n in ENVIRONMENTS if cross_domain and n not in envs]
@@ -307,6 +389,11 @@ def eval_command(
         envs = (
             (o["env"], *(n for n in ENVIRONMENTS if n != o["env"])) if cross_domain else (o["env"],)
         )
+        settings = dataclasses.replace(o["settings"], hint_source=hints)
+        try:
+            check_hint_source(settings, [make_env(n, o["setting"], o["size"]) for n in envs])
+        except ValueError as e:
+            fail(str(e))
         plan = EvalPlan(
             envs=envs,
             strategies=strategies,
@@ -319,7 +406,7 @@ def eval_command(
             f"evaluating on {', '.join(envs)} ({', '.join(strategies)}): {o['packs']} packs "
             f"of {o['tasks']} tasks each"
         )
-        report = evaluate(sampler, chat, plan, o["settings"], out)
+        report = evaluate(sampler, chat, plan, settings, out, on_progress=working.part_tasks)
     rows = {
         f"{name} / {strategy}": summary
         for name, by_strategy in report["summaries"].items()
@@ -341,7 +428,15 @@ def _eval_matrix(
     with _Working() as working:
         working.stage(f"evaluating {len(models)} model(s) on {cells}")
         try:
-            result = evaluate_matrix(models, envs, strategies, out_dir=out, log=_to_stderr, **play)
+            result = evaluate_matrix(
+                models,
+                envs,
+                strategies,
+                out_dir=out,
+                log=_to_stderr,
+                on_progress=working.part_tasks,
+                **play,
+            )
         except bad_model_input() as e:
             fail(str(e))
     table = Table(title="cross-domain matrix (± one standard error over packs)")
@@ -397,7 +492,7 @@ def rollout_command(
         played = make_packs(pack_seeds("eval", count), o["tasks"])
         working.stage(f"playing {count} packs of {o['tasks']} tasks in {o['env']}")
         driver = RolloutDriver(environment, sampler, chat, o["settings"])
-        rollouts = driver.run(played, group_size=1)
+        rollouts = driver.run(played, group_size=1, on_progress=working.tasks)
     console = Console()
     for rollout in rollouts:
         record = rollout_record(rollout, chat.tokenizer)

@@ -24,7 +24,7 @@ RolloutCorrection = Literal["none", "tis", "mis_token", "mis_sequence"]
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
-EnvName = Literal["frozenlake", "alchemy", "terminal", "optimal_control", "pde", "grid_nav"]
+EnvName = str  # a registered name or a module:Class path, checked by cod_fast.envs.registry
 
 DERIVED = {
     "algo.loss.temperature": "rollout.temperature",
@@ -182,6 +182,9 @@ class LossConfig(_Config):
     """Weight of the KL term; > 0 needs `kl`."""
     entropy_coef: float = 0.0
     """Weight alpha of the entropy bonus -alpha H_t."""
+    update_entropy_coef: float | None = None
+    """Weight of the entropy bonus on update-episode tokens; null: entropy_coef (the same weight
+    on every token)."""
     rollout_correction: RolloutCorrection = "none"
     """Correction for sampler/trainer mismatch: truncated IS (`tis`) or masking (`mis_*`)."""
     tis_cap: float = 2.0
@@ -205,6 +208,8 @@ class LossConfig(_Config):
         super().__post_init__()
         self._require(0 <= self.eps_low < 1, "eps_low", "a number in [0, 1)")
         self._at_least(0, "eps_high", "beta", "entropy_coef")
+        if self.update_entropy_coef is not None:
+            self._at_least(0, "update_entropy_coef")
         self._above(0, "tis_cap", "mis_low", "temperature", "opd_coef")
         self._above(self.mis_low, "mis_high")
         self._at_least(1, "max_response_len")
@@ -281,7 +286,8 @@ class EnvEntry(_Config):
     """One environment of a mixed-domain run (an item of `rollout.envs`)."""
 
     name: EnvName | None = None
-    """The environment family (required)."""
+    """The environment (required): a built-in's name, a registered plugin's, or a path
+    `package.module:Class` / `file.py:Class` (docs/environments.md)."""
     weight: float = 1.0
     """Each pack comes from this environment with probability weight / (sum of the weights)."""
     size: Literal["tiny", "full"] | None = None
@@ -292,6 +298,10 @@ class EnvEntry(_Config):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._require(self.name is not None, "name", "an environment name")
+        from cod_fast.envs.registry import environment_problem  # it imports this module
+
+        if problem := environment_problem(self.name):  # type: ignore[arg-type]
+            raise ConfigError("name", problem)
         self._above(0, "weight")
 
 
@@ -300,7 +310,9 @@ class RolloutConfig(_Config):
     """Which environments are rolled out, and how packs are sampled."""
 
     env: EnvName | None = "frozenlake"
-    """The environment of a single-environment run; null when `envs` lists several."""
+    """The environment of a single-environment run: a built-in's name, a registered plugin's,
+    or a path `package.module:Class` / `file.py:Class` (docs/environments.md); null when `envs`
+    lists several."""
     envs: list[EnvEntry] = field(default_factory=list)
     """Several environments in one run (name, weight, size, setting): each step's packs are
     drawn across them by weight, every pack from one environment; metrics, evaluations and plots
@@ -388,6 +400,10 @@ class RolloutConfig(_Config):
             self._require(not repeated, "envs", f"each environment once (repeated: {repeated})")
         else:
             self._require(self.env is not None, "env", "an environment name (or rollout.envs)")
+            from cod_fast.envs.registry import environment_problem  # it imports this module
+
+            if problem := environment_problem(self.env):  # type: ignore[arg-type]
+                raise ConfigError("env", problem)
         self._at_least(1, "packs_per_step", "tasks_per_pack", "max_response_tokens")
         self._at_least(1, "max_hint_tokens")
         self._at_least(2, "group_size")  # the baseline is a group mean
@@ -443,6 +459,11 @@ class AlgoConfig(_Config):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        from cod_fast.envs.registry import environment_problem  # it imports this module
+
+        for name in self.teachers:
+            if problem := environment_problem(name):
+                raise ConfigError(f"teachers.{name}", problem)
         if self.return_style == "window":
             ok = self.window is not None and self.window >= 1
             self._require(ok, "window", "an integer >= 1 with return_style='window'")
@@ -495,6 +516,11 @@ class TrainConfig(_Config):
     """Fraction of the demonstrations' update episodes that write another pack's hints instead
     of their own (cod_fast.warmstart.ScriptedDriver): the warm-started model then writes right
     hints only part of the time, and RL has hint quality to raise."""
+    warm_start_hint_dropout: float = 0.0
+    """Probability that each known entry of a demonstration's hints is written as unknown
+    (never wrong; the explorer relearns it on the next task), so that the warm-started model
+    writes incomplete hints and RL has entries to add. Needs an environment that declares its
+    hint format (docs/environments.md; FrozenLake does)."""
     carry_optimizer: bool = False
     """RL continues the warm start's AdamW moments (at RL's learning rate) instead of starting a
     fresh optimizer."""
@@ -529,6 +555,8 @@ class TrainConfig(_Config):
         self._require(
             0 <= self.warm_start_hint_noise <= 1, "warm_start_hint_noise", "a fraction in [0, 1]"
         )
+        dropout_ok = 0 <= self.warm_start_hint_dropout <= 1
+        self._require(dropout_ok, "warm_start_hint_dropout", "a probability in [0, 1]")
 
 
 @dataclass(kw_only=True)

@@ -17,7 +17,9 @@ rounding of the forward passes, which batch composition can change).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,13 +111,16 @@ def eval_defaults(cfg: Config | None) -> dict:
 
 
 def _rolled_out(
-    driver: RolloutDriver, packs: list[PackSpec], ctx: DistContext | None
+    driver: RolloutDriver,
+    packs: list[PackSpec],
+    ctx: DistContext | None,
+    on_progress: Callable[[int, int], None] | None,
 ) -> PositionSummary:
     """The summary of `packs` rolled out once each with keyed sampling, with the hint quality of
     their update episodes; with `ctx`, each rank plays every world_size-th pack and every rank
     gets the summary over all of them, in pack order."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    mine = driver.run(packs[rank::world], group_size=1, keyed=True)
+    mine = driver.run(packs[rank::world], group_size=1, keyed=True, on_progress=on_progress)
     rows = [(r.pack_id, *solve_results(r), hint_checks(r)) for r in mine]
     if ctx is not None:
         parts = gather_objects(rows, ctx)
@@ -132,10 +137,13 @@ def evaluate(
     settings: DriverSettings,
     out_dir: str | Path | None = None,
     ctx: DistContext | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> dict:
     """Run every (environment, strategy) of the plan; returns the report (written as JSON, with
     a plot, when `out_dir` is given) and, under "summaries", the PositionSummary objects. Under
-    `ctx` every rank calls this with its own sampler and plays its share of the packs."""
+    `ctx` every rank calls this with its own sampler and plays its share of the packs.
+    `on_progress(part, done, total)` hears the finished tasks of each (environment, strategy)
+    part as it plays (this rank's share)."""
     summaries: dict[str, PositionSummary] = {}
     results: dict[str, dict] = {}
     by_env: dict[str, dict[str, PositionSummary]] = {}
@@ -144,7 +152,9 @@ def evaluate(
         driver = RolloutDriver(env, sampler, chat, settings)
         for strategy in plan.strategies:
             packs = make_packs(pack_seeds("eval", plan.packs), plan.tasks, strategy)  # type: ignore[arg-type]
-            summary = _rolled_out(driver, packs, ctx)
+            part = f"{name}/{strategy}"
+            heard = None if on_progress is None else functools.partial(on_progress, part)
+            summary = _rolled_out(driver, packs, ctx, heard)
             summaries[f"{name}/{strategy}"] = summary
             by_env.setdefault(name, {})[strategy] = summary
             results.setdefault(name, {})[strategy] = summary.to_dict()

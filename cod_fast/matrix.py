@@ -16,6 +16,7 @@ with one standard error over packs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import tempfile
@@ -158,6 +159,11 @@ def _check_columns(envs: Sequence[str], strategies: Sequence[str]) -> None:
         raise ValueError(f"unknown pack strategy {unknown}; choose from {', '.join(STRATEGIES)}")
 
 
+def _prefixed(on_progress: Callable[[str, int, int], None], prefix: str, part: str, *n: int):
+    """`on_progress` of one model's evaluation: its parts named after the model."""
+    on_progress(prefix + part, *n)
+
+
 def evaluate_matrix(
     models: Sequence[str | Path],
     envs: Sequence[str],
@@ -167,6 +173,7 @@ def evaluate_matrix(
     out_dir: str | Path | None = None,
     *,
     log: Log | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
     **flags,
 ) -> dict:
     """Evaluate every model on every (environment, strategy); returns the matrix (written as
@@ -188,13 +195,18 @@ def evaluate_matrix(
         if o["packs"] < 1:  # a run may evaluate no packs (rollout.eval_packs=0)
             raise ValueError(f"{label} would play {o['packs']} packs; give packs >= 1")
         stream = sampler.state_dict()
+        heard = None
+        if on_progress is not None:  # the model's label before the part, when there are several
+            prefix = f"{label} " if len(labels) > 1 else ""
+            heard = functools.partial(_prefixed, on_progress, prefix)
         for env in envs:
             for strategy in strategies:
                 plan = EvalPlan(
                     (env,), (strategy,), o["setting"], o["size"], o["packs"], o["tasks"]
                 )
                 sampler.load_state_dict(stream)  # every cell from the model's fresh eval stream
-                summary = evaluate(sampler, chat, plan, o["settings"])["summaries"][env][strategy]
+                report = evaluate(sampler, chat, plan, o["settings"], on_progress=heard)
+                summary = report["summaries"][env][strategy]
                 cells.append(_cell(label, env, strategy, summary))
         played = {k: v for k, v in o.items() if k not in ("env", "settings")}
         settings = dataclasses.asdict(o["settings"])

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cod_fast.diagnostics import hint_checks, hint_metrics
 from cod_fast.records import Rollout
 
 
@@ -29,6 +30,9 @@ class PositionSummary:
     """Standard error of the CoD gain over the packs: sample std of each pack's own gain (last
     position minus position 0) / sqrt(n). Smaller than the two positions' errors combined when a
     pack's positions move together (a hard pack is hard at every position)."""
+    hints: dict[str, float] = field(default_factory=dict)
+    """Hint quality by update episode (`hint_correct_u0`, ...; cod_fast.diagnostics.hint_metrics),
+    empty where the environment declares no hint entries or no update episode ran."""
 
     @property
     def cod_gain(self) -> float:
@@ -42,6 +46,7 @@ class PositionSummary:
             "num_packs": self.num_packs,
             "std_error": self.std_error,
             "gain_std_error": self.gain_std_error,
+            **self.hints,
         }
 
 
@@ -82,9 +87,12 @@ def solve_results(rollout: Rollout) -> tuple[list[float], list[bool | None]]:
 
 
 def summarize_rollouts(rollouts: Sequence[Rollout]) -> PositionSummary:
-    """The same summary over driver rollouts (solve episodes, by position)."""
+    """The same summary over driver rollouts (solve episodes, by position), with the hint
+    quality of their update episodes."""
     results = [solve_results(rollout) for rollout in rollouts]
-    return summarize([r for r, _ in results], [s for _, s in results])
+    summary = summarize([r for r, _ in results], [s for _, s in results])
+    summary.hints = hint_metrics([hint_checks(rollout) for rollout in rollouts])
+    return summary
 
 
 def plot_positions(

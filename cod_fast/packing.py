@@ -5,7 +5,9 @@ one sequence with one trainable `Segment` per response, "prefix merging") -> `ba
 whole sequences to micro-batches and ranks -> `build_microbatch` flattens them into the varlen
 tensors the loss reads: attention boundaries (`cu_seqlens`), per-sequence positions, and for every
 trainable position its target token, segment id, advantage and sampler log-prob. The trainer
-adds the log-probs it recomputes (old policy, reference) to the micro-batches afterwards.
+adds the log-probs it recomputes (old policy, reference) to the micro-batches afterwards, and
+the training step each token's entropy weight where update episodes have their own
+(`with_entropy_coef`).
 With `share_prefix` a micro-batch is its sequences' prefix tree (cod_fast.prefix_tree; planned by
 `balance_shared`): each shared prefix once, the per-token values those of the flat layout.
 """
@@ -15,13 +17,14 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from cod_fast.config import LossConfig
 from cod_fast.ops.linear_loss import TokenPairs
 from cod_fast.prefix_tree import Tree, build_tree, common_prefix, flat_tree
-from cod_fast.records import Episode
+from cod_fast.records import Episode, EpisodeKind
 
 
 class SequenceTooLongError(ValueError):
@@ -42,6 +45,9 @@ class Segment:
     """Sampler log-probs (roll_t)."""
     key: tuple = ()
     """Episode key + turn index."""
+    kind: EpisodeKind = "solve"
+    """Its episode's kind: update-episode tokens may get their own entropy weight
+    (LossConfig.update_entropy_coef)."""
     teacher_logp: list[float] | None = None
     """The distillation teacher's log-probs of the response tokens (cod_fast.teachers)."""
 
@@ -110,6 +116,7 @@ def episode_sequences(episode: Episode, merge_prefix: bool = True) -> list[Seque
                 advantage=float(episode.advantage),
                 rollout_logp=list(turn.response_logprobs),
                 key=(*episode.key, j),
+                kind=episode.kind,
             )
         )
         tokens.extend(turn.response_ids)
@@ -157,12 +164,17 @@ class MicroBatch:
     """[n_segments] int64, trainable tokens per segment."""
     segment_keys: list[tuple]
     """Episode key + turn index of each segment."""
+    segment_kinds: list[EpisodeKind]
+    """Episode kind of each segment."""
     old_logp: torch.Tensor | None = None
     """[N] float32 from the trainer (algo.old_logp=recompute); None: old = rollout ("bypass")."""
     ref_logp: torch.Tensor | None = None
     """[N] float32 from the trainer's reference model when a KL term is on, else None."""
     teacher_logp: torch.Tensor | None = None
     """[N] float32 from the distillation teachers (`opd`), else None."""
+    entropy_coef: torch.Tensor | None = None
+    """[N] float32, each token's entropy weight when update episodes have their own
+    (`with_entropy_coef`); None: the loss config's one weight for every token."""
     kv_index: torch.Tensor | None = None
     """Shared-prefix layout only: [K] int64, the positions each tree node attends to, node by
     node (its ancestors' tokens, then its own); None when every node is a whole sequence."""
@@ -257,6 +269,7 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
     rollout_logp: list[float] = []
     lengths: list[int] = []
     keys: list[tuple] = []
+    kinds: list[EpisodeKind] = []
     segments = [seg for seq in sequences for seg in seq.segments]
     scored = [seg.teacher_logp is not None for seg in segments]
     if any(scored) and not all(scored):
@@ -275,6 +288,7 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
             rollout_logp.extend(seg.rollout_logp)
             lengths.append(seg.length)
             keys.append(seg.key)
+            kinds.append(seg.kind)
 
     def i64(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64)
@@ -299,6 +313,7 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
         rollout_logp=f32(rollout_logp),
         segment_lengths=i64(lengths),
         segment_keys=keys,
+        segment_kinds=kinds,
         teacher_logp=f32(teacher) if segments and all(scored) else None,
         **_key_blocks(tree, offsets),
         pair_rows=None if repeated is None else repeated.rows,
@@ -306,6 +321,20 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
         pair_of_token=None if repeated is None else repeated.repeat,
         max_target=max(targets, default=-1),
     )
+
+
+def with_entropy_coef(mb: MicroBatch, config: LossConfig) -> MicroBatch:
+    """`mb` carrying each token's entropy weight when `config` gives update episodes their own
+    (update_entropy_coef set and unlike entropy_coef): update_entropy_coef on the tokens of
+    update episodes, entropy_coef on the others. Otherwise `mb` itself, and the loss applies
+    entropy_coef to every token. Built where `mb`'s segment ids are (on the host before
+    `MicroBatch.to`, so it moves with the other float32 tensors), with no read from a device."""
+    update = config.update_entropy_coef
+    if update is None or update == config.entropy_coef:
+        return mb
+    weights = [update if kind == "update" else config.entropy_coef for kind in mb.segment_kinds]
+    per_segment = torch.tensor(weights, dtype=torch.float32, device=mb.segment_ids.device)
+    return replace(mb, entropy_coef=per_segment[mb.segment_ids])
 
 
 def _key_blocks(tree: Tree, offsets: list[int]) -> dict:

@@ -76,6 +76,7 @@ class Policy(torch.nn.Module):
             rollout_logp=mb.rollout_logp,
             ref_logp=mb.ref_logp,
             teacher_logp=mb.teacher_logp,
+            entropy_coef=mb.entropy_coef,
             config=config,
             denominator=denominator,
             impl=self.impl,

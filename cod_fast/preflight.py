@@ -21,7 +21,7 @@ import torch
 from cod_fast.attention import resolve_attn_impl
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
 from cod_fast.distributed import mesh_layout, resolve_device
-from cod_fast.envs import make_env
+from cod_fast.envs import env_class, make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.init_from import check_source
 from cod_fast.model import (
@@ -56,6 +56,7 @@ def preflight(cfg: Config) -> None:
     if world_size > 1:
         _environment_int("LOCAL_RANK", 0)  # the device of each rank (cod_fast.distributed)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
+    _check_explorers(cfg)
     if cfg.runtime.tensorboard:
         summary_writer_class()  # the package is there, before anything is written
     _check_model_path(cfg.model.name_or_path)
@@ -114,6 +115,37 @@ def _check_mesh(replicate: int, world_size: int) -> None:
             f"set it to a divisor of {world_size} (1: plain FSDP), or start a multiple of "
             f"{replicate} processes with torchrun",
         ) from None
+
+
+def _check_explorers(cfg: Config) -> None:
+    """Refuse a run that needs the scripted explorer of an environment that has none (an
+    explorer is optional, cod_fast.envs.base): the warm start imitates its demonstrations, and
+    the built-in model's `bpe` vocabulary is trained on its transcripts unless the run finds a
+    saved one (as `warmstart.run_tokenizer` does)."""
+    train, model = cfg.train, cfg.model
+    if train.warm_start_steps > 0:
+        use = f"train.warm_start_steps={train.warm_start_steps} needs (demonstrations)"
+        fix = "set train.warm_start_steps=0"
+    elif (
+        model.name_or_path == BUILTIN_TINY
+        and model.tokenizer == "bpe"
+        and model.tokenizer_path is None
+        and train.init_from is None
+        and not (Path(cfg.runtime.run_dir) / "tokenizer").exists()
+    ):
+        use = "model.tokenizer='bpe' needs (its vocabulary is trained on the transcripts)"
+        fix = "set model.tokenizer=char, give model.tokenizer_path a saved tokenizer"
+    else:
+        return
+    rollout = cfg.rollout
+    keys = [f"rollout.envs[{i}].name" for i in range(len(rollout.envs))] or ["rollout.env"]
+    for key, entry in zip(keys, rollout.environments, strict=True):
+        if not env_class(entry.name).has_explorer():  # type: ignore[arg-type]
+            raise ConfigError(
+                key,
+                f"{clipped(entry.name)} has no scripted explorer, which {use}; {fix} or give the "
+                "environment an explorer()",
+            )
 
 
 def _check_model_path(name: str, key: str = "model.name_or_path", builtin: bool = True) -> None:

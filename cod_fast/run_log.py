@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import warnings
 from pathlib import Path
@@ -184,7 +185,9 @@ class RunLog:
         self._plot(steps, evals, "", self.dir / "rewards.png")
         for env in envs if len(envs) > 1 else []:
             mine = [r for r in evals if r.get("env") == env]
-            self._plot(steps, mine, f"{env}/", self.dir / f"rewards-{env}.png")
+            # a plugin's name may be a path (`envs/mine.py:Mine`): a file name of its own
+            safe = re.sub(r"[^\w.-]+", "_", env)
+            self._plot(steps, mine, f"{env}/", self.dir / f"rewards-{safe}.png")
 
     @staticmethod
     def _plot(steps: list[dict], evals: list[dict], prefix: str, path: Path) -> None:

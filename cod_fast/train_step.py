@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from cod_fast.config import LossConfig
-from cod_fast.packing import MicroBatch, Sequence, build_microbatch
+from cod_fast.packing import MicroBatch, Sequence, build_microbatch, with_entropy_coef
 from cod_fast.policy import Policy
 
 
@@ -128,7 +128,9 @@ def train_step(
     tokens = 0
     sums = _MetricSums(device)
     for mb in microbatches:
-        mb = runnable(mb, config).to(device)
+        # Per-token entropy weights (update episodes' own) are built on the host, then copied
+        # with the micro-batch's other float32 tensors.
+        mb = with_entropy_coef(runnable(mb, config), config).to(device)
         out = policy(mb, config=config, denominator=denominator)
         out.loss.backward()
         total += out.loss.detach().double()

@@ -427,7 +427,12 @@ class Trainer:
             make_packs(seeds, self.cfg.rollout.tasks_per_pack), "warm", self.step * count
         )
         return demonstrations(
-            self.envs, self.chat, self.settings, packs, hint_noise=train.warm_start_hint_noise
+            self.envs,
+            self.chat,
+            self.settings,
+            packs,
+            hint_noise=train.warm_start_hint_noise,
+            hint_dropout=train.warm_start_hint_dropout,
         )
 
     def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> Update:

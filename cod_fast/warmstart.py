@@ -50,6 +50,12 @@ class ScriptedDriver(RolloutDriver):
     sees. A model warm-started on such demonstrations writes right hints only part of the time,
     which leaves hint quality for RL to raise. Whether an update episode is swapped is drawn
     from its pack seed and position alone (one before any other pack wrote hints keeps its own).
+
+    With `hint_dropout` p, each entry the agent's own hints state is written as unknown with
+    probability p (the environment's `hint_entries` and `render_hints`): incomplete hints, never
+    wrong ones. The agent reads them on the next task and relearns what was dropped, so a model
+    warm-started on them leaves entries open that RL can teach it to fill. The draws come from
+    the pack seed, the position and the entry alone.
     """
 
     def __init__(
@@ -59,11 +65,20 @@ class ScriptedDriver(RolloutDriver):
         settings: DriverSettings,
         agent_factory: Callable[[], Agent] | None = None,
         hint_noise: float = 0.0,
+        hint_dropout: float = 0.0,
     ):
         super().__init__(env, sampler=None, chat=chat, settings=settings)  # type: ignore[arg-type]
+        if hint_dropout:
+            for one in self.envs.values():
+                if not one.has_hint_entries():
+                    raise ValueError(
+                        f"train.warm_start_hint_dropout={hint_dropout}: environment {one.name} "
+                        "declares no hint format to drop entries from (docs/environments.md); "
+                        "set train.warm_start_hint_dropout=0"
+                    )
         self.agent_factory = agent_factory
         self.agents: dict[tuple[int, int], Agent] = {}
-        self.hint_noise = hint_noise
+        self.hint_noise, self.hint_dropout = hint_noise, hint_dropout
         self.written: dict[int, str] = {}  # pack id -> the latest hints its agent wrote
 
     def _sample(self, live: list[RunState], keyed: bool) -> list[Sample]:
@@ -94,7 +109,16 @@ class ScriptedDriver(RolloutDriver):
         rng = random.Random(f"hint-noise/{run.spec.pack_seed}/{run.position}")
         if donors and rng.random() < self.hint_noise:
             return rng.choice(sorted(donors))
-        return own
+        if own is None or not self.hint_dropout:
+            return own
+        env = self.env_of(run.spec)
+        kept = {
+            name: value
+            for name, value in env.hint_entries(own).items()
+            if random.Random(f"hint-dropout/{run.spec.pack_seed}/{run.position}/{name}").random()
+            >= self.hint_dropout
+        }
+        return env.render_hints(kept)
 
 
 def demonstrations(
@@ -103,10 +127,11 @@ def demonstrations(
     settings: DriverSettings,
     packs: list[PackSpec],
     hint_noise: float = 0.0,
+    hint_dropout: float = 0.0,
 ) -> list[Rollout]:
     """The scripted explorer through `packs` (one member each), every advantage set to 1;
-    `hint_noise` as in ScriptedDriver."""
-    driver = ScriptedDriver(env, chat, settings, hint_noise=hint_noise)
+    `hint_noise` and `hint_dropout` as in ScriptedDriver."""
+    driver = ScriptedDriver(env, chat, settings, hint_noise=hint_noise, hint_dropout=hint_dropout)
     rollouts = driver.run(packs, group_size=1)
     for rollout in rollouts:
         for episode in rollout.episodes:

@@ -28,7 +28,7 @@ struct HeadParams {
   int on_policy;  // no separate old policy: r = 1 (with gradient r, as exp(logp - sg(logp)))
   float eps_low, eps_high;
   int kl;  // a KL code
-  float beta, entropy_coef, opd_coef;
+  float beta, opd_coef;
 };
 
 // Per-token inputs; `old`, `ref`, `teach`, `seq_ratio`, `seq_grad` are read only when the
@@ -40,6 +40,8 @@ struct HeadInputs {
   float weight;     // aggregation weight w_t / D
   float seq_ratio;  // sequence level: exp(mean over the segment of logp - old)
   float seq_grad;   // sequence level: d(loss)/d(logp_t) through the segment's ratio
+  float entropy_coef;  // alpha_t of the entropy bonus -alpha_t H_t (per token: update episodes
+                       // may have their own)
 };
 
 struct HeadOutputs {
@@ -104,12 +106,12 @@ COD_HD inline HeadOutputs loss_head(const HeadParams& p, const HeadInputs& in) {
     loss += p.beta * k;
     g += p.beta * dk;
   }
-  loss -= p.entropy_coef * in.entropy;
+  loss -= in.entropy_coef * in.entropy;
 
   HeadOutputs out;
   out.loss = in.weight * loss;
   out.g_logp = in.weight * g + (p.seq_level ? in.seq_grad : 0.0f);
-  out.g_entropy = -in.weight * p.entropy_coef;
+  out.g_entropy = -in.weight * in.entropy_coef;
   out.clipped = clipped;
   return out;
 }

@@ -311,7 +311,17 @@ def _policy_head(
 
 
 @_tunable(
-    key=["V", "POLICY", "SEQ_LEVEL", "ON_POLICY", "KL", "HAS_ADV", "HAS_ENTROPY_GRAD", "NARROW_DZ"],
+    key=[
+        "V",
+        "POLICY",
+        "SEQ_LEVEL",
+        "ON_POLICY",
+        "KL",
+        "HAS_ADV",
+        "HAS_ENT_VEC",
+        "HAS_ENTROPY_GRAD",
+        "NARROW_DZ",
+    ],
     restore=("z_ptr",),
 )
 @triton.jit
@@ -329,6 +339,7 @@ def _rows_fused_kernel(
     weight_ptr,
     seq_ratio_ptr,
     seq_grad_ptr,
+    ent_coef_ptr,
     logp_ptr,
     entropy_ptr,
     loss_ptr,
@@ -345,6 +356,7 @@ def _rows_fused_kernel(
     ON_POLICY: tl.constexpr,
     KL: tl.constexpr,
     HAS_ADV: tl.constexpr,
+    HAS_ENT_VEC: tl.constexpr,
     HAS_ENTROPY_GRAD: tl.constexpr,
     NARROW_DZ: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -376,6 +388,10 @@ def _rows_fused_kernel(
     if SEQ_LEVEL:
         seq_ratio = tl.load(seq_ratio_ptr + row)
         seq_grad = tl.load(seq_grad_ptr + row)
+    # The entropy bonus's weight: one per token (HAS_ENT_VEC), else the scalar.
+    alpha = entropy_coef
+    if HAS_ENT_VEC:
+        alpha = tl.load(ent_coef_ptr + row)
     loss, g_logp, g_entropy, clipped = _policy_head(
         logp,
         entropy,
@@ -390,7 +406,7 @@ def _rows_fused_kernel(
         eps_low,
         eps_high,
         beta,
-        entropy_coef,
+        alpha,
         opd_coef,
         POLICY,
         SEQ_LEVEL,
@@ -549,6 +565,7 @@ def rows_fused_(
     weight: torch.Tensor,
     seq_ratio: torch.Tensor | None,
     seq_grad: torch.Tensor | None,
+    ent_coef: torch.Tensor | None = None,
     policy: int,
     seq_level: int,
     on_policy: int,
@@ -566,6 +583,8 @@ def rows_fused_(
     loss is w_t L_t; clipped is 1.0 where the token's ratio left the trust region. Per-token
     inputs are float32 [C]; `old` is None iff on_policy, `ref` iff the KL is off, `teach` unless
     the policy is opd, `seq_ratio`/`seq_grad` unless seq_level. `adv` may be None for opd only.
+    `ent_coef` weighs each token's entropy bonus instead of `entropy_coef` (None: the scalar;
+    the kernel then compiles without the per-token load, HAS_ENT_VEC).
     The codes are those of cod_fast.ops.loss_terms. With a bf16/fp16 `dz_dtype`, dz is stored
     in that dtype at `narrow_dz_view(z, dz_dtype)`.
     """
@@ -590,6 +609,7 @@ def rows_fused_(
         weight=weight,
         seq_ratio=seq_ratio,
         seq_grad=seq_grad,
+        ent_coef=ent_coef,
     )
     per_token = {name: _token(name, t, z) for name, t in per_token.items()}
     dz = _dz_out(z, dz_dtype)
@@ -602,7 +622,8 @@ def rows_fused_(
             vocab, float(inv_temp), float(eps_low), float(eps_high), float(beta),
             float(entropy_coef), float(opd_coef),
             POLICY=int(policy), SEQ_LEVEL=bool(seq_level), ON_POLICY=bool(on_policy),
-            KL=int(kl), HAS_ADV=adv is not None, HAS_ENTROPY_GRAD=entropy_coef != 0,
+            KL=int(kl), HAS_ADV=adv is not None, HAS_ENT_VEC=ent_coef is not None,
+            HAS_ENTROPY_GRAD=ent_coef is not None or entropy_coef != 0,
             NARROW_DZ=dz is not z, **_block_v(z, block_v),
         )  # fmt: skip
     return logp, entropy, loss, clipped

@@ -175,7 +175,8 @@ def test_leading_masked_blocks():
 
 def head_ref(tok, *, policy, seq_level, on_policy, kl, beta, entropy_coef, opd_coef, f):
     """The per-token head as plain Python on numpy scalars of type `f`: (loss, g_logp, g_H,
-    clipped), with g_* the derivatives of the loss in logp and H."""
+    clipped), with g_* the derivatives of the loss in logp and H. A token's own entropy weight
+    (`ent_coef`) replaces `entropy_coef`."""
     logp, h, a = f(tok["logp"]), f(tok["entropy"]), f(tok["adv"])
     if seq_level:
         r = f(tok["seq_ratio"])
@@ -211,10 +212,11 @@ def head_ref(tok, *, policy, seq_level, on_policy, kl, beta, entropy_coef, opd_c
             "k3": (np.expm1(-d) + d, -np.expm1(-d)),
         }[kl]
         loss, g = loss + f(beta) * k, g + f(beta) * dk
-    loss = loss - f(entropy_coef) * h
+    alpha = f(entropy_coef if tok.get("ent_coef") is None else tok["ent_coef"])
+    loss = loss - alpha * h
     w = f(tok["weight"])
     g_logp = w * g + (f(tok["seq_grad"]) if seq_level else f(0.0))
-    return w * loss, g_logp, -w * f(entropy_coef), clipped
+    return w * loss, g_logp, -w * alpha, clipped
 
 
 def away_from_edges(r):
@@ -225,7 +227,11 @@ def away_from_edges(r):
     return r
 
 
-def fused_case(c, v, temperature, seed, *, policy, seq_level, on_policy, kl, entropy_coef):
+def fused_case(
+    c, v, temperature, seed, *, policy, seq_level, on_policy, kl, entropy_coef, own_entropy=False
+):
+    """Logits, targets, the per-token inputs and the switches of one fused call; `own_entropy`
+    adds each token's own entropy weight (`ent_coef`: 0, 0.1 or 0.2)."""
     z, targets, g = make_logits(c, v, seed)
     logp64 = eager_stats(z, targets, temperature, torch.float64)[0]
 
@@ -244,6 +250,7 @@ def fused_case(c, v, temperature, seed, *, policy, seq_level, on_policy, kl, ent
         weight=(torch.rand(c, generator=g) + 0.1) / c,
         seq_ratio=away_from_edges(ratio.flip(0)).float() if seq_level else None,
         seq_grad=per_token(0.1) if seq_level else None,
+        ent_coef=(torch.rand(c, generator=g) * 0.2).round(decimals=1) if own_entropy else None,
     )
     params = dict(
         policy=policy,
@@ -328,6 +335,18 @@ def test_fused_shapes(c, v, temperature, entropy_coef):
         entropy_coef=entropy_coef,
     )
     check_fused(z, targets, temperature, inputs, params)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(("c", "v"), SHAPES)
+def test_fused_per_token_entropy_weights(c, v, policy):
+    """Each token's own entropy weight (`ent_coef`, 0 on some) replaces entropy_coef in
+    its loss and its dL/dz, on odd shapes and every policy."""
+    z, targets, inputs, params = fused_case(
+        c, v, 0.7, c * 1000 + v + 7, policy=policy, seq_level=False, on_policy=False,
+        kl="k1", entropy_coef=0.05, own_entropy=True,
+    )  # fmt: skip
+    check_fused(z, targets, 0.7, inputs, params)
 
 
 def test_fused_integer_codes_and_defaults():

@@ -26,8 +26,10 @@ def test_cuda_kernels_compile(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", [0, 1, 2, 3])
 @pytest.mark.parametrize("kl", [0, 3])
-def test_cuda_head_matches_torch_head(policy, kl):
-    """Every output of the CUDA head equals the torch closed-form head (float32 rounding)."""
+@pytest.mark.parametrize("own_entropy", [False, True], ids=["one-weight", "weight-per-token"])
+def test_cuda_head_matches_torch_head(policy, kl, own_entropy):
+    """Every output of the CUDA head equals the torch closed-form head (float32 rounding), with
+    one entropy weight or each token's own (`ent_coef`)."""
     g = torch.Generator(device="cuda").manual_seed(policy * 10 + kl)
     n = 1000
 
@@ -42,6 +44,7 @@ def test_cuda_head_matches_torch_head(policy, kl):
         old=logp + rand(0.2),
         ref=logp + rand(0.3) if kl else None,
         teach=logp + rand(0.5),
+        ent_coef=rand(0.1).abs() if own_entropy else None,
     )
     switches = dict(
         policy=policy,

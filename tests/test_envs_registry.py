@@ -6,30 +6,24 @@ import pytest
 from typer.testing import CliRunner
 
 from cod_fast.cli import app
-from cod_fast.config import EnvName
-from cod_fast.envs import ENVIRONMENTS, make_env
-from cod_fast.envs.base import play_pack
+from cod_fast.config import EnvEntry
+from cod_fast.envs import ENVIRONMENTS, env_class, make_env
+from cod_fast.envs.check import run_checks
 from cod_fast.envs.packs import make_packs, pack_seeds
-
-
-def test_registry_matches_the_config_choices():
-    """Every environment the config accepts is registered, and nothing else."""
-    import typing
-
-    assert set(typing.get_args(EnvName)) == set(ENVIRONMENTS)
 
 
 @pytest.mark.parametrize("name", list(ENVIRONMENTS))
 @pytest.mark.parametrize("size", ["tiny", "full"])
-def test_every_environment_plays_a_pack(name, size):
-    """Each environment builds by name (its `name` matches), and its scripted solver and explorer
-    play a 3-task eval pack to the end with rewards in [-1, 1]."""
-    env = make_env(name, "eval", size)
-    assert env.name == name
-    for agent in (env.solver(), env.explorer()):
-        result = play_pack(env, agent, pack_seeds("registry", 1)[0], 3)
-        assert len(result.rewards) == 3
-        assert all(-1.0 <= r <= 1.0 for r in result.rewards)
+def test_every_environment_passes_the_checks(name, size):
+    """Each built-in environment builds by name (its `name` matches, the config accepts it) and
+    passes every check of `cod-fast envs check`: declarations, both settings, determinism,
+    hostile actions, rewards in range, its solver near the top of the range and its explorer
+    through whole packs."""
+    assert make_env(name, "eval", size).name == name
+    assert EnvEntry(name=name).name == name
+    assert env_class(name).has_solver() and env_class(name).has_explorer()
+    results = run_checks(name, size, packs=4)
+    assert [r.status for r in results] == ["ok"] * 6, "\n".join(r.line() for r in results)
 
 
 def test_unknown_environment_is_a_clear_error():

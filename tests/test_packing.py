@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cod_fast.config import LossConfig
 from cod_fast.packing import (
     MicroBatch,
     Segment,
@@ -21,6 +22,7 @@ from cod_fast.packing import (
     pack_microbatches,
     rollout_sequences,
     step_totals,
+    with_entropy_coef,
 )
 from cod_fast.records import Episode, Rollout, Turn
 
@@ -426,3 +428,50 @@ def test_segment_must_fit_sequence():
         _seq(6, [(1, 3), (2, 1)])
     with pytest.raises(ValueError, match="start >= 1"):
         _seq(4, [(0, 2)])
+
+
+def _update_and_solve_sequences(seed: int) -> list[Sequence]:
+    """Solve and update episodes of two members that share their prompts, in a shuffled order."""
+    rng = random.Random(seed)
+    episodes = [
+        make_episode(random.Random(seed + k), n_turns=rng.randint(1, 3), task_index=k,
+                     member=member, kind=kind)
+        for k, kind in enumerate(["solve", "update", "solve", "update", "solve"])
+        for member in (0, 1)
+    ]  # fmt: skip
+    rng.shuffle(episodes)
+    return rollout_sequences(episodes)
+
+
+@pytest.mark.parametrize("share_prefix", [False, True], ids=["flat", "shared-prefix"])
+def test_entropy_weights_follow_the_episode_kinds(share_prefix):
+    """With update_entropy_coef set and unlike entropy_coef, every trainable token carries its
+    episode kind's weight (update_entropy_coef on update tokens, entropy_coef elsewhere), in
+    the order of the tokens, in the flat and the shared-prefix layout alike; it moves with the
+    other per-token tensors. Unset or equal: no per-token weights."""
+    sequences = _update_and_solve_sequences(seed=4)
+    assert all(seg.kind == seg.key[2] for seq in sequences for seg in seq.segments)
+    mb = build_microbatch(sequences, share_prefix=share_prefix)
+    cfg = LossConfig(entropy_coef=0.01, update_entropy_coef=0.25)
+    weighted = with_entropy_coef(mb, cfg)
+    want = [
+        0.25 if key[2] == "update" else 0.01
+        for key, length in zip(mb.segment_keys, mb.segment_lengths.tolist(), strict=True)
+        for _ in range(length)
+    ]
+    assert {0.25, 0.01} <= set(want)
+    assert_equal(weighted.entropy_coef, torch.tensor(want), "entropy_coef")
+    assert mb.entropy_coef is None  # the micro-batch given is left as it was
+    moved = weighted.to("meta")
+    assert moved.entropy_coef.device.type == "meta" and moved.entropy_coef.shape == (len(want),)
+    for same in (
+        LossConfig(entropy_coef=0.01),
+        LossConfig(entropy_coef=0.1, update_entropy_coef=0.1),
+    ):
+        assert with_entropy_coef(mb, same) is mb
+
+
+def test_entropy_weights_of_an_empty_microbatch():
+    """No tokens: an empty weight vector, not an error."""
+    cfg = LossConfig(update_entropy_coef=0.5)
+    assert with_entropy_coef(build_microbatch([]), cfg).entropy_coef.shape == (0,)

@@ -586,12 +586,14 @@ def test_opd_steps_on_own_samples_move_the_student_to_its_teacher():
     ],
     ids=["ppo", "rec-k3-entropy", "sequence"],
 )  # fmt: skip
-def test_rows_given_match_the_gathered_rows(cfg, share, impl, monkeypatch, small_chunks):
+@pytest.mark.parametrize("per_token", [False, True], ids=["one-weight", "weight-per-token"])
+def test_rows_given_match_the_gathered_rows(cfg, share, impl, per_token, monkeypatch, small_chunks):
     """`rows` (a shared-prefix tree's trainable rows): 48 tokens read 12 of 19 hidden rows, most
     pairs repeated (members with equal responses), some rows with two targets (a branch point).
     Scored once per distinct (row, target) pair, or gathered per token when the pairs are too
     many (share 0): loss, log-probs and the gradients of all rows and of W within the float32
-    eager budget of float64 over the gathered rows."""
+    eager budget of float64 over the gathered rows. With `per_token`, every token has its own
+    entropy weight, so members that share a pair weigh its entropy differently."""
     monkeypatch.setattr(linear_loss, "DEDUPE_SHARE", share)
     g = torch.Generator().manual_seed(4)
     n_rows, n, width, vocab = 19, 48, 40, 97
@@ -606,6 +608,7 @@ def test_rows_given_match_the_gathered_rows(cfg, share, impl, monkeypatch, small
     with torch.no_grad():
         base = eager_logprobs(hidden[rows], weight, targets, cfg.temperature, torch.float64)[0]
     old, roll, ref = (base.float() + s * torch.randn(n, generator=g) for s in (0.2, 0.3, 0.3))
+    weights = {"entropy_coef": 0.3 * torch.rand(n, generator=g)} if per_token else {}
     results = {}
     for name, dt in (("fast", torch.float32), ("eager", torch.float32), ("truth", torch.float64)):
         h = hidden.to(dt, copy=True).requires_grad_()
@@ -613,12 +616,12 @@ def test_rows_given_match_the_gathered_rows(cfg, share, impl, monkeypatch, small
         if name == "fast":
             fn = loss_fn(impl)
             out = fn(h, w, targets, adv, seg, old_logp=old, rollout_logp=roll, ref_logp=ref,
-                     config=cfg, rows=rows)  # fmt: skip
+                     config=cfg, rows=rows, **weights)  # fmt: skip
             loss, logp = out.loss, out.logp
         else:
             loss, logp, magnitude = eager_policy_loss(
                 h[rows], w, targets, adv, seg, cfg, old=old, roll=roll, ref=ref, dtype=dt,
-                with_magnitude=True,
+                with_magnitude=True, **weights,
             )  # fmt: skip
             results["magnitude"] = magnitude
         loss.backward()

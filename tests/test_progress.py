@@ -159,19 +159,23 @@ PLAY = ["--env", "frozenlake", "--size", "tiny", "--tasks", "2", "--max-response
 
 @pytest.mark.slow
 def test_eval_and_matrix_report_their_stages_on_stderr(tiny_model, tmp_path):
-    """`eval` and `eval --matrix` say on stderr what they load and evaluate, and when they are
-    done; stdout keeps the result table."""
+    """`eval` and `eval --matrix` say on stderr what they load and evaluate, how many of its
+    tasks are played (a line per quarter, the last at all of them), and when they are done;
+    stdout keeps the result table."""
     args = ["eval", "--model", str(tiny_model), *PLAY, "--packs", "2", "--out", str(tmp_path)]
     result = CliRunner().invoke(app, args, env=PLAIN)
     assert result.exit_code == 0, result.output
     assert f"loading {tiny_model}..." in result.stderr
     assert "evaluating on frozenlake (cod): 2 packs of 2 tasks each..." in result.stderr
+    counts = re.findall(r"^evaluating on .*: frozenlake/cod: (\d+)/4 tasks$", result.stderr, re.M)
+    assert counts and counts[-1] == "4" and counts == sorted(counts, key=int), result.stderr
     assert re.search(r"^done in [\d.]+ s$", result.stderr, re.M)
     assert "CoD gain" in result.stdout and "\x1b" not in result.output
     matrix = CliRunner().invoke(app, [*args, "--matrix", "--strategy", "cod"], env=PLAIN)
     assert matrix.exit_code == 0, matrix.output
     assert "evaluating 1 model(s) on 1 environment(s) x 1 strategies..." in matrix.stderr
     assert "model 1/1:" in matrix.stderr and "done in" in matrix.stderr
+    assert re.search(r": frozenlake/cod: 4/4 tasks$", matrix.stderr, re.M), matrix.stderr
 
 
 @pytest.mark.slow
@@ -182,3 +186,4 @@ def test_rollout_json_keeps_stdout_for_records(tiny_model):
     assert result.exit_code == 0, result.output
     assert [json.loads(line)["pack_id"] for line in result.stdout.splitlines()] == [0, 1]
     assert "playing 2 packs of 2 tasks in frozenlake..." in result.stderr
+    assert "playing 2 packs of 2 tasks in frozenlake: 4/4 tasks" in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -24,9 +25,15 @@ from cod_fast.distributed import (
     model_state,
     optimizer_state,
 )
-from cod_fast.model import load_policy
-from cod_fast.ops import aggregation_denominator
-from cod_fast.packing import build_microbatch, pack_microbatches, rollout_sequences, step_totals
+from cod_fast.model import lm_head_weight, load_policy, packed_hidden_states
+from cod_fast.ops import aggregation_denominator, linear_policy_loss
+from cod_fast.packing import (
+    build_microbatch,
+    pack_microbatches,
+    rollout_sequences,
+    step_totals,
+    with_entropy_coef,
+)
 from cod_fast.policy import Policy
 from cod_fast.train_step import NonFiniteError, runnable, train_step
 from tests.test_layout_invariance import random_episode
@@ -162,3 +169,31 @@ def test_an_empty_bin_runs_every_loss_and_reports_the_same_metrics(config):
     outputs = [policy(mb, config=config, denominator=denominator) for mb in (real, empty)]
     assert outputs[1].loss.item() == 0
     assert sorted(outputs[0].metrics) == sorted(outputs[1].metrics)
+
+
+def test_update_entropy_weights_reach_the_loss():
+    """With update_entropy_coef set (and entropy_coef 0), the step's gradients are those of the
+    loss with each token's episode-kind entropy weight (packing.with_entropy_coef): an entropy
+    bonus on the update episodes' tokens, none on the solve episodes'."""
+    rng = random.Random(5)
+    kinds = ("solve", "update", "solve", "update")
+    episodes = [random_episode(rng, p, kind, k) for p in range(2) for k, kind in enumerate(kinds)]
+    (mbs,) = pack_microbatches(rollout_sequences(episodes), 4096)
+    cfg = dataclasses.replace(KEEP_ALL, update_entropy_coef=0.5)
+    denominator = aggregation_denominator(cfg, *step_totals([mbs]))
+    policy, _ = fresh()
+    train_step(policy, torch.optim.SGD(policy.parameters(), lr=0.0), mbs,
+               denominator=denominator, config=cfg, grad_clip=1e9)  # fmt: skip
+    step = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    for mb in mbs:
+        mb = with_entropy_coef(mb, cfg)
+        assert mb.entropy_coef is not None and mb.entropy_coef.unique().numel() == 2
+        linear_policy_loss(
+            packed_hidden_states(policy.model, mb)[mb.trainable_idx],
+            lm_head_weight(policy.model), mb.targets, mb.advantages, mb.segment_ids,
+            rollout_logp=mb.rollout_logp, config=cfg, denominator=denominator,
+            entropy_coef=mb.entropy_coef,
+        ).loss.backward()  # fmt: skip
+    for got, want in zip(step, (p.grad for p in policy.parameters()), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5)

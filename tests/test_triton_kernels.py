@@ -216,7 +216,8 @@ def token_loss(t, logp, entropy, inputs, sw):
         d = lp - x("ref")
         k = {1: d, 2: d * d / 2, 3: torch.expm1(-d) + d}[sw["kl"]]
         loss = loss + sw["beta"] * k
-    loss = loss - sw["entropy_coef"] * h
+    alpha = sw["entropy_coef"] if inputs.get("ent_coef") is None else x("ent_coef")
+    loss = loss - alpha * h
     return x("weight") * loss, clipped
 
 
@@ -255,12 +256,19 @@ def head_switches(policy, kl, seq_level, on_policy, entropy_coef) -> dict:
     )
 
 
-def check_fused(c, vocab, temperature, block_v, policy, kl, seq_level, on_policy, entropy_coef):
+def check_fused(
+    c, vocab, temperature, block_v, policy, kl, seq_level, on_policy, entropy_coef,
+    own_entropy=False,
+):  # fmt: skip
+    """rows_fused_ against autograd through the head in float64, within the float32 budget;
+    `own_entropy` gives every token its own entropy weight (`ent_coef`, 0 on every third)."""
     seed = 1000 * policy + 100 * kl + 10 * seq_level + on_policy
     z, targets = peaked_logits(c, vocab, seed=seed)
     inv_temp = 1.0 / temperature
     logp64, _, _ = eager_rows(z, targets, inv_temp, torch.float64)
     inputs = head_inputs(logp64, policy, kl, seq_level, on_policy, seed)
+    if own_entropy:
+        inputs["ent_coef"] = torch.linspace(0.0, 0.3, c) * (torch.arange(c) % 3 != 0)
     sw = head_switches(policy, kl, seq_level, on_policy, entropy_coef)
     buf = padded(z)
     view = buf[:c, :vocab]
@@ -319,6 +327,16 @@ def test_rows_fused_every_switch(policy, kl, seq_level, on_policy):
 def test_rows_fused_shapes(c, vocab, temperature, block_v, policy, kl):
     """The fused row kernel on a 1-token chunk, ragged tiles and single-tile rows."""
     check_fused(c, vocab, temperature, block_v, policy, kl, 0, 0, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize(
+    ("c", "vocab", "block_v", "policy", "kl", "seq_level"),
+    [(1, 3, None, 0, 3, 0), (7, 61, 16, 1, 0, 1), (7, 61, 16, 3, 2, 0)],
+)
+def test_rows_fused_per_token_entropy_weights(c, vocab, block_v, policy, kl, seq_level):
+    """Each token's own entropy weight (HAS_ENT_VEC) replaces the scalar in the loss and dz, on
+    a 1-token chunk and ragged tiles; with a scalar of 0 the entropy term of dz still runs."""
+    check_fused(c, vocab, 0.7, block_v, policy, kl, seq_level, 0, 0.0, own_entropy=True)
 
 
 NARROW_SHAPES = [  # (C, V, temperature, BLOCK_V): several tiles, an odd V, a one-tile row

@@ -1,4 +1,4 @@
-"""Warm-start demonstrations with hint noise (cod_fast.warmstart.ScriptedDriver)."""
+"""Warm-start demonstrations with hint noise and hint dropout (cod_fast.warmstart.ScriptedDriver)."""
 
 from __future__ import annotations
 
@@ -101,3 +101,48 @@ def test_hint_noise_outside_zero_to_one_is_refused():
     for bad in ("-0.1", "1.5"):
         with pytest.raises(ConfigError, match="warm_start_hint_noise"):
             apply_overrides(base, [f"train.warm_start_hint_noise={bad}"])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5, 1.0])
+def test_hint_dropout_leaves_entries_open_and_never_writes_a_wrong_one(dropout):
+    """`hint_dropout` p: every entry the written hints state is one the explorer's own hints
+    stated (never wrong, against the pack's true mapping too), about a fraction p of the known
+    entries is left open, and the next task's prompt shows what was written."""
+    env, chat, settings, packs = _setup()
+    own = demonstrations(env, chat, settings, packs)
+    dropped = ScriptedDriver(env, chat, settings, hint_dropout=dropout).run(packs, group_size=1)
+    known = kept = 0
+    for plain, thinned, spec in zip(own, dropped, packs, strict=True):
+        truth = env.hint_truth(spec.pack_seed)
+        updates = [e for e in thinned.episodes if e.kind == "update"]
+        first = next(e for e in plain.episodes if e.kind == "update")
+        for update in updates:
+            written = env.hint_entries(update.info["hints"])
+            assert all(truth[name] == value for name, value in written.items())
+        # The first update episode sees the same task in both runs: its entries are comparable.
+        stated, written = (env.hint_entries(e.info["hints"]) for e in (first, updates[0]))
+        assert written.items() <= stated.items()
+        known, kept = known + len(stated), kept + len(written)
+        for update, solve in zip(thinned.episodes[1::2], thinned.episodes[2::2], strict=True):
+            assert f"Hints: {update.info['hints']}" in chat.decode(solve.turns[0].prompt_ids)
+    assert known > 20
+    if dropout == 0.0:
+        assert kept == known
+    elif dropout == 1.0:
+        assert kept == 0
+    else:  # binomial draws, 0.5 +- about 4 standard deviations
+        assert 0.5 - 2 / known**0.5 < 1 - kept / known < 0.5 + 2 / known**0.5, (kept, known)
+
+
+def test_hint_dropout_needs_an_environment_with_a_hint_format():
+    """An environment that declares no hint format cannot drop entries: one error naming the
+    key and the environment. Out-of-range probabilities are config errors."""
+    cfg = PRESETS["tiny-cpu"]()
+    settings = DriverSettings.from_config(cfg)
+    env = make_env("frozenlake", "train", "tiny")
+    env.has_hint_entries = lambda: False  # as an environment without the hooks answers
+    with pytest.raises(ValueError, match=r"warm_start_hint_dropout=0\.5: environment frozenlake"):
+        ScriptedDriver(env, ChatFormat(char_tokenizer(CHATML)), settings, hint_dropout=0.5)
+    for bad in ("-0.1", "1.5"):
+        with pytest.raises(ConfigError, match="warm_start_hint_dropout"):
+            apply_overrides(cfg, [f"train.warm_start_hint_dropout={bad}"])

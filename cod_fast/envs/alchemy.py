@@ -451,6 +451,7 @@ class AlchemyEnv(Environment):
     """Alchemy-Random: a hidden recipe graph per pack; make a different target in every task."""
 
     name = "alchemy"
+    reward_range = (0.0, 1.0)
     description = "Combine elements by hidden recipes to make a target element."
 
     def __init__(self, setting: Setting = "train", size: Size = "full"):

@@ -14,11 +14,14 @@ input: `Tag` finds tagged blocks without a lazy `(.*?)`, and NUMBER has no two p
 match the same digits. Numbers read from model text go through range checks, so an overflow, an
 infinity or an integer past Python's digit limit is a malformed action, not an exception.
 
-Each environment also ships two scripted agents: a solver that reads the hidden rule from the
-task (an upper bound, and a test of the environment), and an explorer that does not know the rule
-but writes what it learns into hints and reads them back on the next task. `play_pack` runs a
-scripted agent through a pack the way the rollout driver runs a model (hints replaced between
-tasks), so tests and `cod-fast envs solve` can see the CoD effect without a model.
+An environment may also ship two scripted agents (the built-ins do): a solver that reads the
+hidden rule from the task (an upper bound, and a test of the environment), and an explorer that
+does not know the rule but writes what it learns into hints and reads them back on the next
+task. `play_pack` runs a scripted agent through a pack the way the rollout driver runs a model
+(hints replaced between tasks), so tests and `cod-fast envs solve` can see the CoD effect
+without a model. An environment that states its hidden rule as hint entries (`hint_truth`,
+`hint_entries`, `knowable_entries`, `render_hints`; FrozenLake does) gets hint-quality
+diagnostics in every run and `cod-fast eval --hints`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import hashlib
 import random
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -147,6 +151,17 @@ class Agent(ABC):
         return old_hints
 
 
+class MissingScriptedAgent(ValueError):
+    """A scripted agent (solver or explorer) asked of an environment that defines none."""
+
+    def __init__(self, env: Environment, agent: str, used_as: str):
+        name = getattr(env, "name", type(env).__qualname__)
+        super().__init__(
+            f"environment {name} has no scripted {agent}, which {used_as}; "
+            f"define {type(env).__qualname__}.{agent}() to give it one"
+        )
+
+
 class Environment(ABC):
     """A family of tasks with a hidden rule per pack, in a train or a harder eval setting."""
 
@@ -154,6 +169,10 @@ class Environment(ABC):
     description: ClassVar[str]
     reveals_reward: ClassVar[bool] = True
     """Whether the update-context episode is shown the task reward (PDE discovery hides it)."""
+    reward_range: ClassVar[tuple[float, float]] = (-1.0, 1.0)
+    """The lowest and the highest reward a task can give, inside [-1, 1] (docs/concepts.md
+    section 1); `cod-fast envs check` holds the environment to it. The default is the whole of
+    [-1, 1]; an environment that scores in [0, 1] says so."""
 
     def __init__(self, setting: Setting = "train", size: Size = "full"):
         if setting not in ("train", "eval"):
@@ -167,13 +186,60 @@ class Environment(ABC):
     def task(self, pack_seed: int, task_index: int) -> Task:
         """Task `task_index` of pack `pack_seed` (deterministic; the hidden rule from pack_seed)."""
 
-    @abstractmethod
     def solver(self) -> Agent:
-        """A scripted agent that reads the task's hidden rule (an upper bound)."""
+        """A scripted agent that reads the task's hidden rule (an upper bound). Optional: `cod-fast
+        envs solve` and `envs check` play it where there is one."""
+        raise MissingScriptedAgent(self, "solver", "`cod-fast envs solve` plays as the upper bound")
 
-    @abstractmethod
     def explorer(self) -> Agent:
-        """A scripted agent that does not know the rule and carries what it learns in hints."""
+        """A scripted agent that does not know the rule and carries what it learns in hints.
+        Optional, but the warm start imitates it and the built-in `bpe` tokenizer is trained on
+        its transcripts (the preflight refuses such a run without one)."""
+        raise MissingScriptedAgent(
+            self, "explorer", "the warm start imitates and the bpe tokenizer is trained on"
+        )
+
+    @classmethod
+    def has_solver(cls) -> bool:
+        """Whether the environment defines a scripted solver."""
+        return cls.solver is not Environment.solver
+
+    @classmethod
+    def has_explorer(cls) -> bool:
+        """Whether the environment defines a scripted explorer."""
+        return cls.explorer is not Environment.explorer
+
+    # Hint diagnostics: optional. An environment that declares them states its hidden rule as
+    # entries (name -> value), reads entries out of hint text and renders them back, so a run
+    # can score the hints a model writes and evaluation can hand it perfect or scripted ones.
+
+    @classmethod
+    def has_hint_entries(cls) -> bool:
+        """Whether the environment declares its hint entries (defines `hint_truth`)."""
+        return cls.hint_truth is not Environment.hint_truth
+
+    def hint_truth(self, pack_seed: int) -> dict[str, str] | None:
+        """The entries a perfect hint states for this pack; None where the environment declares
+        no hint entries."""
+        return None
+
+    def hint_entries(self, hints: str | None) -> dict[str, str]:
+        """The entries a hint text states (None: no hints); an entry it leaves open is not
+        stated. Hints are model text: read in time linear in their length."""
+        return {}
+
+    def knowable_entries(
+        self, known: dict[str, str], task: Task, steps: Sequence[tuple[str, str]], feedback: str
+    ) -> dict[str, str]:
+        """The entries the scripted explorer states after one more task of a pack, had it chosen
+        that episode's actions, when it knew `known` before (a pack starts from {}): `task` as
+        the episode left it, its (observation, action) pairs (actions are model text) and the
+        feedback after it. Folded over a pack's episodes, what its trajectory shows."""
+        return {}
+
+    def render_hints(self, entries: dict[str, str]) -> str:
+        """Hint text that states `entries` and no others, in the form `hint_entries` reads."""
+        raise NotImplementedError(f"{self.name} declares no hint format")
 
 
 @dataclass

@@ -18,12 +18,17 @@ there) and known from the second on (0.79, then 0.92 and 0.99).
 
 Every map has a safe path from start to goal within the move budget (the layout is redrawn, from
 a seed that counts the attempts, until it has one), so every task is solvable.
+
+Hints are scored entry by entry (cod_fast.diagnostics): an entry is an action number and its
+direction, written `1=up 2=? 3=? 4=left` as the explorer writes them, and what a trajectory shows
+is what the explorer reads from the same moves.
 """
 
 from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cod_fast.envs.base import (
@@ -282,6 +287,33 @@ class FrozenLakeEnv(Environment):
     def explorer(self) -> Agent:
         return FrozenLakeExplorer()
 
+    def hint_truth(self, pack_seed: int) -> dict[str, str]:
+        """Every action number's direction."""
+        return {str(action): d for action, d in self.mapping(pack_seed).items()}
+
+    def hint_entries(self, hints: str | None) -> dict[str, str]:
+        """The `N=direction` entries of a hint text, the way the explorer reads its hints (`N=?`
+        states nothing; of two entries for one number the later counts)."""
+        return {a: d.lower() for a, d in _HINT_RE.findall(hints or "") if d != "?"}
+
+    def knowable_entries(
+        self, known: dict[str, str], task: Task, steps: Sequence[tuple[str, str]], feedback: str
+    ) -> dict[str, str]:
+        """The explorer starts the task from hints stating `known` and reviews the episode's
+        moves, as it does between its own tasks (it carries nothing else from task to task)."""
+        explorer = FrozenLakeExplorer()
+        explorer.start(task, render_hints(known))
+        explorer.review(steps, feedback)
+        return self.hint_entries(explorer.hints())
+
+    def render_hints(self, entries: dict[str, str]) -> str:
+        return render_hints(entries)
+
+
+def render_hints(entries: dict[str, str]) -> str:
+    """The hint format of the explorer, `1=up 2=? 3=? 4=left`: every action, `?` where unknown."""
+    return " ".join(f"{a}={entries.get(str(a), '?')}" for a in ACTIONS)
+
 
 class FrozenLakeSolver(Agent):
     """Reads the hidden mapping and walks a shortest safe path."""
@@ -410,6 +442,20 @@ class FrozenLakeExplorer(Agent):
 
     def write_hints(self, task: Task, old_hints: str | None) -> str:
         self._observe(task.feedback())  # the last move's effect shows only in the feedback
-        return " ".join(
-            f"{a}={next(iter(d)) if len(d) == 1 else '?'}" for a, d in self.candidates.items()
+        return self.hints()
+
+    def hints(self) -> str:
+        """What it knows: every action pinned to one direction."""
+        return render_hints(
+            {str(a): next(iter(d)) for a, d in self.candidates.items() if len(d) == 1}
         )
+
+    def review(self, steps: Sequence[tuple[str, str]], feedback: str) -> None:
+        """Learn from a task played by someone else (after `start`): its (observation, action)
+        pairs and the feedback, as if it had chosen those actions. An action that does not
+        parse moved nothing (it ended the episode), so it teaches nothing."""
+        for observation, action in steps:
+            self._observe(observation)
+            match = None if too_long(action) else _ACTION_RE.fullmatch(action.strip())
+            self.last_action = int(match.group(1)) if match else None
+        self._observe(feedback)

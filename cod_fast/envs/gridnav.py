@@ -277,6 +277,7 @@ class GridNavEnv(Environment):
     """Rook moves over a pack-wide hidden cost map (docs/concepts.md section 6)."""
 
     name = "grid_nav"
+    reward_range = (0.0, 1.0)
     description = "Reach the goal in exactly N rook moves over a hidden, pack-wide cost map."
 
     def __init__(self, setting: Setting = "train", size: Size = "full"):

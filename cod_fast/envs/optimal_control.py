@@ -268,6 +268,7 @@ class OptimalControlEnv(Environment):
     """Packs of control tasks sharing hidden dynamics (a, b)."""
 
     name = "optimal_control"
+    reward_range = (-0.1, 1.0)  # -0.1 for a law that does not parse
     description = "Submit one feedback law u(x, v, t) for hidden linear dynamics."
 
     def rule(self, pack_seed: int) -> Dynamics:

@@ -451,6 +451,7 @@ class PdeEnv(Environment):
     """Packs of reaction-diffusion fields sharing a hidden sparse reaction term."""
 
     name = "pde"
+    reward_range = (0.0, 1.0)
     description = "Discover a hidden sparse reaction term R(u) with sampling and regression tools."
     reveals_reward = False
 

@@ -592,6 +592,7 @@ class TerminalEnv(Environment):
     """Terminal: file chores in a shell whose dialect (Windows / macOS / Linux) is hidden."""
 
     name = "terminal"
+    reward_range = (0.0, 1.0)
     description = "Do file chores in a simulated shell whose dialect is hidden."
 
     def __init__(self, setting: Setting = "train", size: Size = "full"):

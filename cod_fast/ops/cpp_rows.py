@@ -147,6 +147,7 @@ def rows_fused_(
     weight: torch.Tensor,
     seq_ratio: torch.Tensor | None,
     seq_grad: torch.Tensor | None,
+    ent_coef: torch.Tensor | None = None,
     policy: int | str,
     seq_level: bool,
     on_policy: bool,
@@ -163,7 +164,8 @@ def rows_fused_(
     against (None iff `on_policy`, unused at sequence level), `ref` (None iff kl is none), `teach`
     (opd only), `corr` the rollout-correction weight (None = 1), `weight` the aggregation weight
     w_t / D, and at sequence level `seq_ratio` (the segment's geometric-mean ratio) and
-    `seq_grad` (dL/dlogp_t through that ratio). `policy`: 0 ppo, 1 rec_one_side,
+    `seq_grad` (dL/dlogp_t through that ratio), and `ent_coef` the entropy bonus's weight per
+    token (None: `entropy_coef` on every token). `policy`: 0 ppo, 1 rec_one_side,
     2 rec_one_side_is, 3 opd (or the names); `kl`: 0 none, 1 k1, 2 k2, 3 k3 (or None / names).
 
     Returns (logp, entropy, loss, clipped) [C]: loss is the token's weighted loss (sum it for the
@@ -186,6 +188,7 @@ def rows_fused_(
         _array(weight, "weight"),
         _array(seq_ratio, "seq_ratio"),
         _array(seq_grad, "seq_grad"),
+        _array(ent_coef, "ent_coef"),
         _code(policy, POLICY_CODES, "policy"),
         bool(seq_level),
         bool(on_policy),

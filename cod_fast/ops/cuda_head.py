@@ -91,7 +91,7 @@ def _library() -> ctypes.CDLL:
         f32,
         f32,
         f32,
-    ] + [ptr] * 15
+    ] + [ptr] * 16
     lib.cod_segment_sum.argtypes = [i64, ptr, ptr, ptr, ptr]
     lib.cod_segment_broadcast_mean.argtypes = [i64, ptr, ptr, ptr, ptr, ptr]
     return lib
@@ -129,6 +129,7 @@ def loss_head(logp: torch.Tensor, entropy: torch.Tensor, head: HeadInputs, switc
         head.weight,
         head.seq_ratio,
         head.seq_grad,
+        head.ent_coef,
         *outs,
     ]
     _check(

@@ -32,10 +32,13 @@ def eager_policy_loss(
     ref=None,
     teach=None,
     denominator=None,
+    entropy_coef=None,
     dtype=torch.float64,
     with_magnitude=False,
 ):
     """The loss of docs/concepts.md section 4, one segment at a time: (loss, logp).
+
+    ``entropy_coef`` [N] weighs each token's entropy bonus instead of ``cfg.entropy_coef``.
 
     ``with_magnitude`` adds a third value, the same aggregation over |per-token terms|: the
     scale that float rounding of the loss is relative to when terms cancel.
@@ -45,7 +48,7 @@ def eager_policy_loss(
     def cast(t):
         return None if t is None else t.to(dtype)
 
-    adv, old, roll, ref, teach = map(cast, (advantages, old, roll, ref, teach))
+    adv, old, roll, ref, teach, alpha = map(cast, (advantages, old, roll, ref, teach, entropy_coef))
     bypass = old is None
     if old is None:
         old = roll if roll is not None else logp.detach()
@@ -89,7 +92,7 @@ def eager_policy_loss(
             d = lp - ref[idx]
             k = {"k1": d, "k2": d**2 / 2, "k3": torch.exp(-d) + d - 1}[cfg.kl]
             term = term + cfg.beta * k
-        term = term - cfg.entropy_coef * entropy[idx]
+        term = term - (cfg.entropy_coef if alpha is None else alpha[idx]) * entropy[idx]
         mean = cfg.agg == "seq-mean-token-mean"
         total = total + (term.mean() if mean else term.sum())
         magnitude += float(term.detach().abs().mean() if mean else term.detach().abs().sum())

@@ -79,6 +79,7 @@ def linear_policy_loss(
     rollout_logp: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     teacher_logp: torch.Tensor | None = None,
+    entropy_coef: torch.Tensor | None = None,
     config: LossConfig,
     denominator: float | None = None,
     impl: str | None = None,
@@ -99,6 +100,9 @@ def linear_policy_loss(
     log-probs and gradients; `pairs` are those pairs if the caller knows them (else they are
     found here, a host sync).
 
+    `entropy_coef` [N]: each token's weight of the entropy bonus (update-episode tokens may have
+    their own, LossConfig.update_entropy_coef) instead of `config.entropy_coef` on every token.
+
     `num_segments`: segment_ids are compact, 0..num_segments-1 (see `LossInputs`).
     `check_targets=False`: the caller has made sure every target lies in [0, V). Both spare a
     host sync (see the module docstring).
@@ -118,6 +122,7 @@ def linear_policy_loss(
         teacher_logp=teacher_logp,
         denominator=denominator,
         num_segments=num_segments,
+        entropy_coef=entropy_coef,
     )
     inputs.check(num_tokens)
     dtype = compute_dtype(hidden, weight)

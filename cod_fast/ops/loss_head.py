@@ -44,6 +44,8 @@ class HeadInputs:
     """Sequence level: exp(mean of the segment's log-ratio), from a log-prob pre-pass."""
     seq_grad: torch.Tensor | None = None
     """Sequence level: dL/dlogp_u through the segment mean, r_s / n_s sum_t corr w dpol/dr."""
+    ent_coef: torch.Tensor | None = None
+    """The entropy bonus's weight per token; None: the scalar switch `entropy_coef`."""
 
     def kernel_args(self) -> dict[str, torch.Tensor | None]:
         """The per-token keyword arguments of a row kernel's fused call."""
@@ -104,6 +106,8 @@ def prepare_head(
     if config.kl is not None and config.beta > 0:
         ref = require(inputs.ref_logp, "ref_logp", f"KL penalty (beta={config.beta})")
         head.ref = ref.detach().to(dtype).contiguous()
+    if inputs.entropy_coef is not None:
+        head.ent_coef = inputs.entropy_coef.detach().to(dtype).contiguous()
     if config.policy == "opd":
         head.teach = require(inputs.teacher_logp, "teacher_logp", "policy 'opd'").detach().to(dtype)
     if config.ratio_level == "sequence":
@@ -128,6 +132,7 @@ def token_head(
     teach: torch.Tensor | None,
     seq_ratio: torch.Tensor | None,
     seq_grad: torch.Tensor | None,
+    ent_coef: torch.Tensor | None = None,
     policy: int,
     seq_level: int,
     on_policy: int,
@@ -140,7 +145,8 @@ def token_head(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w L_t, dL/dlogp_t, dL/dH_t, clipped_t) for every token: the row kernels' contract.
 
-    Takes the fields of `HeadInputs` and the codes of `kernel_switches`, as the kernels do.
+    Takes the fields of `HeadInputs` and the codes of `kernel_switches`, as the kernels do; a
+    per-token `ent_coef` replaces the scalar `entropy_coef`.
     """
     if seq_level:
         ratio = seq_ratio
@@ -176,6 +182,7 @@ def token_head(
         else:
             k, dk = torch.expm1(-d) + d, -torch.expm1(-d)
         loss, grad = loss + beta * k, grad + beta * dk
-    loss = weight * (loss - entropy_coef * entropy)
+    alpha = entropy_coef if ent_coef is None else ent_coef
+    loss = weight * (loss - alpha * entropy)
     grad = weight * grad + (seq_grad if seq_level else 0)
-    return loss, grad, -entropy_coef * weight, clipped
+    return loss, grad, -alpha * weight, clipped

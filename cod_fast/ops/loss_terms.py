@@ -55,10 +55,13 @@ class LossInputs:
     """The segment count when `segment_ids` are compact, 0..num_segments-1 (as cod_fast.packing
     writes them): segments are then counted on the device with no host sync. None: any ids,
     counted with torch.unique (which waits for the device)."""
+    entropy_coef: torch.Tensor | None = None
+    """The entropy bonus's weight alpha_t per token (update-episode tokens may have their own, see
+    LossConfig.update_entropy_coef); None: `LossConfig.entropy_coef` on every token."""
 
     def check(self, num_targets: int) -> None:
         """Every per-token tensor has one value per target."""
-        for name in ("advantages", "segment_ids", *LOGP_FIELDS):
+        for name in ("advantages", "segment_ids", "entropy_coef", *LOGP_FIELDS):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (num_targets,):
                 raise ValueError(
@@ -138,6 +141,16 @@ def segment_index(inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     seg = inputs.segment_ids.long()
     counts = torch.zeros(inputs.num_segments, dtype=torch.int64, device=seg.device)
     return seg, counts.index_add_(0, seg, torch.ones_like(seg))
+
+
+def entropy_weight(
+    inputs: LossInputs, config: LossConfig, dtype: torch.dtype
+) -> torch.Tensor | float | None:
+    """alpha of the entropy bonus -alpha_t H_t: the per-token [N] weights when given, else the
+    config's scalar; None when the bonus is off (so the entropy is not needed)."""
+    if inputs.entropy_coef is not None:
+        return inputs.entropy_coef.detach().to(dtype)
+    return config.entropy_coef if config.entropy_coef > 0 else None
 
 
 def token_weights(inputs: LossInputs, config: LossConfig, dtype: torch.dtype) -> TokenWeights:

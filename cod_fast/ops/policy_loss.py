@@ -2,9 +2,10 @@
 
 `policy_loss_from_logp` is the loss written in plain torch on per-token log-probs and differentiated
 by autograd: the ratio (token or sequence level), the policy term (ppo, rec_one_side,
-rec_one_side_is, opd), rollout correction (tis, mis), KL to the reference, the entropy bonus and
-the aggregation of cod_fast.ops.loss_terms. It is the `torch` implementation's head; the fused
-implementations use the closed form of cod_fast.ops.loss_head instead.
+rec_one_side_is, opd), rollout correction (tis, mis), KL to the reference, the entropy bonus
+(one weight, or one per token) and the aggregation of cod_fast.ops.loss_terms. It is the `torch`
+implementation's head; the fused implementations use the closed form of cod_fast.ops.loss_head
+instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from cod_fast.config import LossConfig
 from cod_fast.ops.loss_terms import (
     LossInputs,
+    entropy_weight,
     kl_penalty,
     loss_metrics,
     one_side_keep,
@@ -59,9 +61,10 @@ def policy_loss_from_logp(
     if config.kl is not None and config.beta > 0:
         ref = require(ref, "ref_logp", f"KL penalty (beta={config.beta})")
         per_token = per_token + config.beta * kl_penalty(logp, ref, config.kl)
-    if config.entropy_coef > 0:
-        entropy = require(entropy, "entropy", f"entropy_coef={config.entropy_coef}")
-        per_token = per_token - config.entropy_coef * entropy
+    alpha = entropy_weight(inputs, config, dtype)
+    if alpha is not None:
+        entropy = require(entropy, "entropy", "the entropy bonus (entropy_coef)")
+        per_token = per_token - alpha * entropy
     loss = (tw.weight * per_token).sum()
     metrics = loss_metrics(
         config, inputs, ratio=ratio, clipped=clipped, corr=tw.corr, logp=logp, entropy=entropy

@@ -3,7 +3,11 @@
 Each (pack, member) run alternates a solve-task episode (one or more turns: a response, then the
 environment's observation) and an update-context episode (one response whose hint block replaces
 the hints), K solve and K-1 update episodes per pack; in `task_by_task` mode there are no update
-episodes and every task starts from `Hints: null`. Every driver step gathers the next prompt of
+episodes and every task starts from `Hints: null`. For evaluation the hints between tasks may
+come from elsewhere (`DriverSettings.hint_source`: the hidden rule, the scripted explorer's
+reading of the model's own moves, or none), and then no update episode is sampled; an update
+episode of an environment that declares its hint entries records how its hints score against
+the hidden rule (`hint_check`, cod_fast.diagnostics). Every driver step gathers the next prompt of
 every live run and makes ONE batched sampler call, then steps the environments. Token ids are
 kept exactly as sampled; later turns of an episode append to them (see cod_fast.rollout.chat).
 
@@ -23,11 +27,12 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from cod_fast.config import Config
+from cod_fast.diagnostics import hint_check
 from cod_fast.envs.base import Environment, Task, derive_seed
 from cod_fast.envs.packs import PackSpec
 from cod_fast.records import Episode, Rollout, Turn
@@ -116,6 +121,10 @@ class _EnvWorker:
                 done.put((False, exc))
 
 
+HintSource = Literal["own", "oracle", "explorer", "none"]
+HINT_SOURCES = ("own", "oracle", "explorer", "none")
+
+
 @dataclass(frozen=True)
 class DriverSettings:
     max_response_tokens: int = 512
@@ -133,6 +142,11 @@ class DriverSettings:
     """Subtracted from the reward of an episode with a response cut at the length limit."""
     prompt_style: Literal["full", "compact"] = "full"
     """The wording of the prompts (cod_fast.rollout.prompts); `compact` suits tiny models."""
+    hint_source: HintSource = "own"
+    """Where the hints before each task k > 0 come from (`cod` mode): `own`, the model's update
+    episodes; `oracle`, the hidden rule in the environment's hint format; `explorer`, what the
+    scripted explorer writes from the model's own moves in the pack so far; `none`, no hints
+    (`Hints: null` at every task). Only `own` samples update episodes."""
 
     @classmethod
     def from_config(cls, cfg: Config) -> DriverSettings:
@@ -171,6 +185,28 @@ class RunState:
     steps: list[tuple[str, str]] = field(default_factory=list)
     episodes: list[Episode] = field(default_factory=list)
     error: str | None = None
+    knowable: dict[str, str] = field(default_factory=dict)
+    """The hint entries the pack's solve episodes so far show (Environment.knowable_entries)."""
+
+    @property
+    def solved(self) -> int:
+        """Its finished solve episodes."""
+        return sum(episode.kind == "solve" for episode in self.episodes)
+
+
+def check_hint_source(settings: DriverSettings, envs: Sequence[Environment]) -> None:
+    """ValueError, in one line, for a hint source these environments cannot serve."""
+    source = settings.hint_source
+    if source not in HINT_SOURCES:
+        raise ValueError(f"unknown hint source {source!r}; choose one of {', '.join(HINT_SOURCES)}")
+    if source != "own" and settings.mode != "cod":
+        raise ValueError(f"hint source {source!r} needs the cod mode; task_by_task has no hints")
+    mute = [env.name for env in envs if not env.has_hint_entries()]
+    if source in ("oracle", "explorer") and mute:
+        raise ValueError(
+            f"hint source {source!r} needs environments that declare their hint entries; "
+            f"{', '.join(mute)} declares none"
+        )
 
 
 class RolloutDriver:
@@ -190,6 +226,7 @@ class RolloutDriver:
         self.sampler, self.chat, self.settings = sampler, chat, settings
         self.prompts = PROMPT_STYLES[settings.prompt_style]
         self._worker = _EnvWorker()
+        check_hint_source(settings, envs)
 
     def env_of(self, spec: PackSpec) -> Environment:
         """The environment a pack is played in."""
@@ -206,17 +243,28 @@ class RolloutDriver:
             )
         return self.envs[spec.env]
 
-    def run(self, packs: list[PackSpec], group_size: int, keyed: bool = False) -> list[Rollout]:
+    def run(
+        self,
+        packs: list[PackSpec],
+        group_size: int,
+        keyed: bool = False,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> list[Rollout]:
         """Roll out every pack `group_size` times; one Rollout per (pack, member). `keyed`: every
         response's sampling noise comes from what it answers (`response_key`), so a pack plays
-        the same whatever other packs share its sampler calls (evaluation split over ranks)."""
+        the same whatever other packs share its sampler calls (evaluation split over ranks).
+        `on_progress(done, total)` hears after every batched sampler call how many of the
+        solve episodes (tasks x members) are finished."""
         runs = [RunState(spec=spec, member=g) for spec in packs for g in range(group_size)]
+        total = sum(len(run.spec.task_indices) for run in runs)
         try:
             for run in runs:
                 self._start_solve(run)
             while live := [run for run in runs if run.phase != "done"]:
                 for run, sample in zip(live, self._sample(live, keyed), strict=True):
                     self._advance(run, sample)
+                if on_progress is not None:
+                    on_progress(sum(run.solved for run in runs), total)
         finally:
             self._worker.close()
         return [
@@ -259,7 +307,7 @@ class RolloutDriver:
             run.spec.pack_seed, run.spec.task_indices[run.position]
         )
         run.turns, run.steps, run.error = [], [], None
-        first = run.position == 0 or self.settings.mode == "task_by_task"
+        first = run.position == 0 or not self._carries_hints
         run.shown_hints = None if first else run.hints
         system = self.prompts.solve_system(run.task.prompt(), context_line(run.hints, first))
         observation = self._safe(run, run.task.reset)
@@ -321,19 +369,35 @@ class RolloutDriver:
         if run.error:
             info["error"] = run.error
         run.episodes.append(self._episode(run, "solve", reward, info))
-        last = run.position == len(run.spec.task_indices) - 1
-        if last:
+        if run.position == len(run.spec.task_indices) - 1:
             run.phase = "done"
-        elif self.settings.mode == "task_by_task":
-            run.position += 1
-            self._start_solve(run)
-        else:
-            self._start_update(run, reward)
+            return
+        if self._carries_hints:
+            feedback = run.error or self._safe(run, run.task.feedback) or ""
+            env = self.env_of(run.spec)
+            run.knowable = env.knowable_entries(run.knowable, run.task, run.steps, feedback)
+            if self.settings.hint_source == "own":
+                self._start_update(run, reward, feedback)
+                return
+            run.hints = self._given_hints(run)
+        run.position += 1
+        self._start_solve(run)
+
+    @property
+    def _carries_hints(self) -> bool:
+        """Whether a task's hints reach the next task (else every task reads `Hints: null`)."""
+        return self.settings.mode == "cod" and self.settings.hint_source != "none"
+
+    def _given_hints(self, run: RunState) -> str:
+        """The hints an `oracle` or `explorer` hint source puts before the next task."""
+        env = self.env_of(run.spec)
+        if self.settings.hint_source == "oracle":
+            return env.render_hints(env.hint_truth(run.spec.pack_seed))
+        return env.render_hints(run.knowable)
 
     # --- update-context episodes ---------------------------------------------------------------
 
-    def _start_update(self, run: RunState, reward: float) -> None:
-        feedback = run.error or self._safe(run, run.task.feedback) or ""
+    def _start_update(self, run: RunState, reward: float, feedback: str) -> None:
         traj = Trajectory(
             task_prompt=run.task.prompt(),
             steps=run.steps,
@@ -355,11 +419,11 @@ class RolloutDriver:
             max_tokens=s.max_hint_tokens,
             truncate=self.chat.truncate,
         )
-        run.episodes.append(
-            self._episode(
-                run, "update", parsed.reward, {"hints": parsed.text, "truncated": parsed.truncated}
-            )
-        )
+        info = {"hints": parsed.text, "truncated": parsed.truncated}
+        env = self.env_of(run.spec)
+        if (truth := env.hint_truth(run.spec.pack_seed)) is not None:
+            info["hint_check"] = hint_check(truth, env.hint_entries(parsed.text), run.knowable)
+        run.episodes.append(self._episode(run, "update", parsed.reward, info))
         run.hints = parsed.text
         run.position += 1
         run.phase = "solve"

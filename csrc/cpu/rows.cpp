@@ -204,10 +204,11 @@ void backward_(py::object z_obj, py::object y_obj, py::object lse_obj, py::objec
 
 void fused_(py::object z_obj, py::object y_obj, double inv_temp, py::object adv_obj,
             py::object old_obj, py::object ref_obj, py::object teach_obj, py::object corr_obj,
-            py::object weight_obj, py::object seq_ratio_obj, py::object seq_grad_obj, int policy,
-            bool seq_level, bool on_policy, float eps_low, float eps_high, int kl, float beta,
-            float entropy_coef, float opd_coef, py::object logp_obj, py::object entropy_obj,
-            py::object loss_obj, py::object clipped_obj, int num_threads) {
+            py::object weight_obj, py::object seq_ratio_obj, py::object seq_grad_obj,
+            py::object ent_coef_obj, int policy, bool seq_level, bool on_policy, float eps_low,
+            float eps_high, int kl, float beta, float entropy_coef, float opd_coef,
+            py::object logp_obj, py::object entropy_obj, py::object loss_obj,
+            py::object clipped_obj, int num_threads) {
   check_inv_temp(inv_temp);
   const float it = static_cast<float>(inv_temp);
   if (policy < cod::kPPO || policy > cod::kOPD) {
@@ -235,13 +236,14 @@ void fused_(py::object z_obj, py::object y_obj, double inv_temp, py::object adv_
       optional_data<float>(seq_ratio_obj, "seq_ratio", C, seq_level, "seq_level is set");
   const float* seq_grad =
       optional_data<float>(seq_grad_obj, "seq_grad", C, seq_level, "seq_level is set");
+  // Per-token entropy weights, else `entropy_coef` on every token.
+  const float* ent_coef = optional_data<float>(ent_coef_obj, "ent_coef", C, false, "");
   float* logp = data_of<float>(logp_obj, "logp", C, -1, true);
   float* entropy = data_of<float>(entropy_obj, "entropy", C, -1, true);
   float* loss = data_of<float>(loss_obj, "loss", C, -1, true);
   bool* clipped = data_of<bool>(clipped_obj, "clipped", C, -1, true);
 
-  const cod::HeadParams params{policy, seq_level, on_policy,    eps_low, eps_high,
-                               kl,     beta,      entropy_coef, opd_coef};
+  const cod::HeadParams params{policy, seq_level, on_policy, eps_low, eps_high, kl, beta, opd_coef};
   py::gil_scoped_release release;
 #pragma omp parallel for schedule(static) num_threads(threads_for(num_threads))
   for (int64_t t = 0; t < C; ++t) {
@@ -259,6 +261,7 @@ void fused_(py::object z_obj, py::object y_obj, double inv_temp, py::object adv_
     in.weight = weight[t];
     in.seq_ratio = seq_ratio ? seq_ratio[t] : 1.0f;
     in.seq_grad = seq_grad ? seq_grad[t] : 0.0f;
+    in.entropy_coef = ent_coef ? ent_coef[t] : entropy_coef;
     const cod::HeadOutputs out = cod::loss_head(params, in);
     logp[t] = lp;
     entropy[t] = st.entropy;
@@ -283,10 +286,10 @@ PYBIND11_MODULE(_cpp, m) {
   m.def(
       "fused_", &fused_, py::arg("z"), py::arg("targets"), py::arg("inv_temp"), py::arg("adv"),
       py::arg("old"), py::arg("ref"), py::arg("teach"), py::arg("corr"), py::arg("weight"),
-      py::arg("seq_ratio"), py::arg("seq_grad"), py::arg("policy"), py::arg("seq_level"),
-      py::arg("on_policy"), py::arg("eps_low"), py::arg("eps_high"), py::arg("kl"), py::arg("beta"),
-      py::arg("entropy_coef"), py::arg("opd_coef"), py::arg("logp"), py::arg("entropy"),
-      py::arg("loss"), py::arg("clipped"), nt,
+      py::arg("seq_ratio"), py::arg("seq_grad"), py::arg("ent_coef"), py::arg("policy"),
+      py::arg("seq_level"), py::arg("on_policy"), py::arg("eps_low"), py::arg("eps_high"),
+      py::arg("kl"), py::arg("beta"), py::arg("entropy_coef"), py::arg("opd_coef"),
+      py::arg("logp"), py::arg("entropy"), py::arg("loss"), py::arg("clipped"), nt,
       "Row statistics, the loss head and dL/dz in one sweep; z [C, V] is overwritten with dL/dz.");
   bind_layers(m);
   bind_attention(m);

@@ -21,7 +21,8 @@ __global__ void loss_head_kernel(int64_t n, cod::HeadParams params, const float*
                                  const float* __restrict__ teach, const float* __restrict__ corr,
                                  const float* __restrict__ weight,
                                  const float* __restrict__ seq_ratio,
-                                 const float* __restrict__ seq_grad, float* __restrict__ loss,
+                                 const float* __restrict__ seq_grad, float entropy_coef,
+                                 const float* __restrict__ ent_coef, float* __restrict__ loss,
                                  float* __restrict__ g_logp, float* __restrict__ g_entropy,
                                  float* __restrict__ clipped) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -38,6 +39,8 @@ __global__ void loss_head_kernel(int64_t n, cod::HeadParams params, const float*
   in.weight = weight[t];
   in.seq_ratio = seq_ratio ? seq_ratio[t] : 1.0f;
   in.seq_grad = seq_grad ? seq_grad[t] : 0.0f;
+  // Per-token entropy weights when given, else the one scalar weight.
+  in.entropy_coef = ent_coef ? ent_coef[t] : entropy_coef;
   const cod::HeadOutputs out = cod::loss_head(params, in);
   loss[t] = out.loss;
   g_logp[t] = out.g_logp;
@@ -90,14 +93,13 @@ int cod_loss_head(int64_t n, int policy, int seq_level, int on_policy, float eps
                   float eps_high, int kl, float beta, float entropy_coef, float opd_coef,
                   const float* logp, const float* entropy, const float* adv, const float* old,
                   const float* ref, const float* teach, const float* corr, const float* weight,
-                  const float* seq_ratio, const float* seq_grad, float* loss, float* g_logp,
-                  float* g_entropy, float* clipped, void* stream) {
+                  const float* seq_ratio, const float* seq_grad, const float* ent_coef,
+                  float* loss, float* g_logp, float* g_entropy, float* clipped, void* stream) {
   if (n == 0) return 0;
-  const cod::HeadParams params{policy, seq_level, on_policy, eps_low,      eps_high,
-                               kl,     beta,      entropy_coef, opd_coef};
+  const cod::HeadParams params{policy, seq_level, on_policy, eps_low, eps_high, kl, beta, opd_coef};
   loss_head_kernel<<<blocks_for(n), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      n, params, logp, entropy, adv, old, ref, teach, corr, weight, seq_ratio, seq_grad, loss,
-      g_logp, g_entropy, clipped);
+      n, params, logp, entropy, adv, old, ref, teach, corr, weight, seq_ratio, seq_grad,
+      entropy_coef, ent_coef, loss, g_logp, g_entropy, clipped);
   return static_cast<int>(cudaGetLastError());
 }
 

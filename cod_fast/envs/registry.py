@@ -1,0 +1,212 @@
+"""Which environment a name means: a built-in, a class registered with `@register`, a path to a
+class (`module:Class`, `path/to/file.py:Class`) or an entry point of another package.
+
+A name resolves in that order. The built-ins load lazily, so importing cod_fast.envs stays cheap
+and one broken environment cannot break the others; any name with a colon is a path and loads
+by importing its module (a file path is relative to the working directory, so an environment in
+a lone file outside any package works); entry points of the group `cod_fast.environments` are
+read only for a name that is none of the others, afresh each time (a package installed since
+counts). Every failure is an `EnvironmentLookupError` of one line: the name, what was tried and
+the known names, or the path and the error its import raised.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from cod_fast.config import clipped, shown
+from cod_fast.envs.base import Environment, Setting, Size, derive_seed
+
+ENTRY_POINT_GROUP = "cod_fast.environments"
+
+ENVIRONMENTS = {
+    "frozenlake": "cod_fast.envs.frozenlake:FrozenLakeEnv",
+    "alchemy": "cod_fast.envs.alchemy:AlchemyEnv",
+    "terminal": "cod_fast.envs.terminal:TerminalEnv",
+    "optimal_control": "cod_fast.envs.optimal_control:OptimalControlEnv",
+    "pde": "cod_fast.envs.pde:PdeEnv",
+    "grid_nav": "cod_fast.envs.gridnav:GridNavEnv",
+}
+"""The built-in environments, name -> "module:class"."""
+
+HOW_TO_REGISTER = (
+    "register one with @cod_fast.envs.register, an entry point in group "
+    f"{ENTRY_POINT_GROUP}, or a path module:Class or file.py:Class"
+)
+
+_registered: dict[str, type[Environment]] = {}
+"""The environments `register` added, by name."""
+
+E = TypeVar("E", bound=type[Environment])
+
+
+class EnvironmentLookupError(ValueError):
+    """A name that means no environment, or a path or entry point that does not load one."""
+
+
+def register(name: str) -> Callable[[E], E]:
+    """Class decorator: `@register("my_env")` on an Environment subclass makes `my_env` an
+    environment name (`rollout.env`, `cod-fast eval --env`, ...) once the module is imported.
+    Registering a name again is allowed only for the same class (the same file and qualified
+    name: a module imported twice, once by a path and once as a module)."""
+    if not name or name != name.strip() or ":" in name:
+        raise ValueError(
+            f"an environment name is a word without ':' (a path has one); got {name!r}"
+        )
+    if name in ENVIRONMENTS:
+        raise ValueError(f"{name!r} is a built-in environment; register under another name")
+
+    def decorate(cls: E) -> E:
+        cls = _checked(cls, f"@register({name!r})")
+        known = _registered.get(name)
+        if known is not None and _origin(known) != _origin(cls):
+            raise ValueError(
+                f"environment {name!r} is already registered to {_origin(known)}; "
+                f"not registering {_origin(cls)} under the same name"
+            )
+        _registered[name] = cls
+        return cls
+
+    return decorate
+
+
+def env_class(name: str) -> type[Environment]:
+    """The environment class `name` means (the module docstring says in which order)."""
+    if name in ENVIRONMENTS:
+        module, cls = ENVIRONMENTS[name].split(":")
+        return getattr(importlib.import_module(module), cls)
+    if name in _registered:
+        return _registered[name]
+    if ":" in name:
+        return _checked(_load_path(name), f"environment {shown(name)}")
+    entry = _entry_points().get(name)
+    if entry is None:
+        raise EnvironmentLookupError(_unknown(name))
+    what = f"environment {shown(name)} (entry point {entry.value} in group {ENTRY_POINT_GROUP})"
+    try:
+        loaded = entry.load()
+    except Exception as e:  # a plugin's import may raise anything: one line, the cause chained
+        raise EnvironmentLookupError(f"{what}: it does not load: {error_line(e)}") from e
+    return _checked(loaded, what)
+
+
+def make_env(name: str, setting: Setting = "train", size: Size = "full") -> Environment:
+    """The environment `name` in a train or eval setting, at full or tiny size. It answers to
+    `name` (its `name` attribute): a run names a pack's environment, its metrics and its records
+    by the name in its config, and a path or a registered name may differ from the class's own."""
+    env = env_class(name)(setting=setting, size=size)
+    if getattr(env, "name", None) != name:
+        env.name = name  # type: ignore[misc]  # this instance's, the class keeps its own
+    return env
+
+
+def known_environments() -> list[str]:
+    """Every name that means an environment without a path: the built-ins, the registered ones
+    (in the order of registration) and the entry points."""
+    names = [*ENVIRONMENTS, *_registered]
+    return names + [name for name in _entry_points() if name not in names]
+
+
+def environment_problem(name: str) -> str | None:
+    """Why `name` means no environment, None when it does: the config's check of an environment
+    name. A built-in is not imported for it (a config is built often, its environment later);
+    a path is, since only its import tells whether it holds an environment."""
+    if name in ENVIRONMENTS:
+        return None
+    try:
+        env_class(name)
+    except EnvironmentLookupError as e:
+        return str(e)
+    return None
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    import importlib.metadata  # 20 ms: only when a name is none of the built-in or registered
+
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _unknown(name: str) -> str:
+    known = known_environments()
+    close = difflib.get_close_matches(name, known, n=1)
+    if name.endswith(".py"):
+        hint = f" (a path names its class too: {clipped(name)}:CLASS)"
+    else:
+        hint = f" (did you mean {close[0]}?)" if close else ""
+    listed = ", ".join(map(repr, known))
+    return f"unknown environment {shown(name)}{hint}; known: {listed}; {HOW_TO_REGISTER}"
+
+
+def _load_path(path: str) -> object:
+    """The object `path` (`module:attr` or `file.py:attr`) names, imported."""
+    where, _, attr = path.rpartition(":")  # rpartition: a Windows path has a colon of its own
+    what = f"environment {shown(path)}"
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    if is_file and not Path(where).is_file():
+        raise EnvironmentLookupError(
+            f"{what}: no file {clipped(where)} (a path is relative to the working directory, "
+            f"{Path.cwd()})"
+        )
+    try:
+        module = _import_file(Path(where)) if is_file else importlib.import_module(where)
+    except Exception as e:  # a plugin's import may raise anything: one line, the cause chained
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and not is_file:
+            hint = " (is its package installed? a lone file is named as path/to/file.py:Class)"
+        raise EnvironmentLookupError(
+            f"{what}: importing {clipped(where)} failed: {error_line(e)}{hint}"
+        ) from e
+    if not hasattr(module, attr):
+        raise EnvironmentLookupError(f"{what}: {clipped(where)} defines no {clipped(attr)!r}")
+    return getattr(module, attr)
+
+
+def _import_file(path: Path) -> object:
+    """The module of a Python file, imported once per process under a name of its own (its stem
+    and a hash of its absolute path: two files with one stem stay apart). It is registered in
+    sys.modules, where dataclasses and pickle look up a class's module."""
+    path = path.resolve()
+    name = f"{path.stem}_{derive_seed(str(path)):016x}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # a fixed file is imported afresh next time
+        raise
+    return module
+
+
+def _checked(obj: object, what: str) -> type[Environment]:
+    """`obj`, which must be an Environment subclass that can be instantiated."""
+    if not (isinstance(obj, type) and issubclass(obj, Environment)):
+        raise EnvironmentLookupError(
+            f"{what}: got {shown(obj)}, not a subclass of cod_fast.envs.Environment"
+        )
+    if inspect.isabstract(obj):
+        missing = ", ".join(f"{m}()" for m in sorted(obj.__abstractmethods__))
+        raise EnvironmentLookupError(f"{what}: {obj.__qualname__} does not define {missing}")
+    return obj
+
+
+def _origin(cls: type) -> str:
+    """Where a class is defined: its file (or module) and qualified name."""
+    module = sys.modules.get(cls.__module__)
+    return f"{getattr(module, '__file__', None) or cls.__module__}:{cls.__qualname__}"
+
+
+def error_line(error: BaseException) -> str:
+    """An exception as one clipped line: its type and its message."""
+    return clipped(f"{type(error).__name__}: {' '.join(str(error).split())}")
