@@ -44,10 +44,7 @@ class Segment:
     rollout_logp: list[float]
     """Sampler log-probs (roll_t)."""
     key: tuple = ()
-    """Episode key + turn index."""
-    kind: EpisodeKind = "solve"
-    """Its episode's kind: update-episode tokens may get their own entropy weight
-    (LossConfig.update_entropy_coef)."""
+    """Episode key + turn index: (pack_id, member, kind, task_index, turn)."""
     teacher_logp: list[float] | None = None
     """The distillation teacher's log-probs of the response tokens (cod_fast.teachers)."""
 
@@ -116,7 +113,6 @@ def episode_sequences(episode: Episode, merge_prefix: bool = True) -> list[Seque
                 advantage=float(episode.advantage),
                 rollout_logp=list(turn.response_logprobs),
                 key=(*episode.key, j),
-                kind=episode.kind,
             )
         )
         tokens.extend(turn.response_ids)
@@ -164,8 +160,6 @@ class MicroBatch:
     """[n_segments] int64, trainable tokens per segment."""
     segment_keys: list[tuple]
     """Episode key + turn index of each segment."""
-    segment_kinds: list[EpisodeKind]
-    """Episode kind of each segment."""
     old_logp: torch.Tensor | None = None
     """[N] float32 from the trainer (algo.old_logp=recompute); None: old = rollout ("bypass")."""
     ref_logp: torch.Tensor | None = None
@@ -269,7 +263,6 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
     rollout_logp: list[float] = []
     lengths: list[int] = []
     keys: list[tuple] = []
-    kinds: list[EpisodeKind] = []
     segments = [seg for seq in sequences for seg in seq.segments]
     scored = [seg.teacher_logp is not None for seg in segments]
     if any(scored) and not all(scored):
@@ -288,7 +281,6 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
             rollout_logp.extend(seg.rollout_logp)
             lengths.append(seg.length)
             keys.append(seg.key)
-            kinds.append(seg.kind)
 
     def i64(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64)
@@ -313,7 +305,6 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
         rollout_logp=f32(rollout_logp),
         segment_lengths=i64(lengths),
         segment_keys=keys,
-        segment_kinds=kinds,
         teacher_logp=f32(teacher) if segments and all(scored) else None,
         **_key_blocks(tree, offsets),
         pair_rows=None if repeated is None else repeated.rows,
@@ -321,6 +312,11 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
         pair_of_token=None if repeated is None else repeated.repeat,
         max_target=max(targets, default=-1),
     )
+
+
+def segment_kind(key: tuple) -> EpisodeKind:
+    """The episode kind in a segment's key (Episode.key + turn index)."""
+    return key[2]
 
 
 def with_entropy_coef(mb: MicroBatch, config: LossConfig) -> MicroBatch:
@@ -332,7 +328,9 @@ def with_entropy_coef(mb: MicroBatch, config: LossConfig) -> MicroBatch:
     update = config.update_entropy_coef
     if update is None or update == config.entropy_coef:
         return mb
-    weights = [update if kind == "update" else config.entropy_coef for kind in mb.segment_kinds]
+    weights = [
+        update if segment_kind(key) == "update" else config.entropy_coef for key in mb.segment_keys
+    ]
     per_segment = torch.tensor(weights, dtype=torch.float32, device=mb.segment_ids.device)
     return replace(mb, entropy_coef=per_segment[mb.segment_ids])
 
