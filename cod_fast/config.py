@@ -520,7 +520,8 @@ class TrainConfig(_Config):
     """Probability that each known entry of a demonstration's hints is written as unknown
     (never wrong; the explorer relearns it on the next task), so that the warm-started model
     writes incomplete hints and RL has entries to add. Needs an environment that declares its
-    hint format (docs/environments.md; FrozenLake does)."""
+    hint format (docs/environments.md; FrozenLake does). Measured on tiny FrozenLake, RL then
+    adds more but the warm start keeps far less, so the end is worse (docs/benchmarks.md)."""
     carry_optimizer: bool = False
     """RL continues the warm start's AdamW moments (at RL's learning rate) instead of starting a
     fresh optimizer."""
