@@ -265,7 +265,8 @@ def _record_rollouts(trainer) -> None:
             self.last = super().run(packs, group_size)
             return self.last
 
-    trainer.driver = Recorded(trainer.envs, trainer.sampler, trainer.chat, trainer.settings)
+    recorded = Recorded(trainer.envs, trainer.sampler, trainer.chat, trainer.settings)
+    trainer.driver = trainer.batches.driver = recorded
 
 
 def _multiturn_step(trainer) -> dict:

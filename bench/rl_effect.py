@@ -99,10 +99,13 @@ def run(args) -> dict:
                 train_process(PRESET, run_dir, overrides, runs / f"{arm}-seed{seed}.log")
             evals = evaluations(run_dir)
             arms[arm].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
-    return _summarize(arms)
+    return summarize_arms(arms)
 
 
-def _summarize(arms: dict[str, list[dict]]) -> dict:
+def summarize_arms(arms: dict[str, list[dict]], pair: tuple[str, str] = ARMS) -> dict:
+    """Each arm's gains over seeds (before RL, after, the change) with its per-position rewards
+    and hint diagnostics, and the per-seed paired difference of the two arms of `pair`.
+    `arms`: per arm, one {"seed", "before", "after"} per seed (eval.jsonl rows)."""
     results: dict[str, dict] = {}
     for arm, seeds in arms.items():
         before = [s["before"]["cod_gain"] for s in seeds]
@@ -121,18 +124,18 @@ def _summarize(arms: dict[str, list[dict]]) -> dict:
             "eval_packs": seeds[0]["after"]["num_packs"],
             "diagnostics": _diagnostics([s["after"] for s in seeds]),
         }
-    return {"arms": results, "paired": _paired(arms)}
+    return {"arms": results, "paired": _paired(arms, *pair)}
 
 
-def _paired(arms: dict[str, list[dict]]) -> dict:
-    """Per seed, CoD minus task-by-task: the gain after RL and the change RL made (each arm's
-    after minus its own before); each as per-seed values, mean, standard deviation and standard
-    error of the mean."""
+def _paired(arms: dict[str, list[dict]], first: str, second: str) -> dict:
+    """Per seed, arm `first` minus arm `second` (CoD minus task-by-task here): the gain after RL
+    and the change RL made (each arm's after minus its own before); each as per-seed values,
+    mean, standard deviation and standard error of the mean."""
     by_seed = {arm: {s["seed"]: s for s in seeds} for arm, seeds in arms.items()}
-    seeds = sorted(by_seed["cod"].keys() & by_seed["task_by_task"].keys())
+    seeds = sorted(by_seed[first].keys() & by_seed[second].keys())
 
     def difference(value) -> dict:
-        diffs = [value(by_seed["cod"][s]) - value(by_seed["task_by_task"][s]) for s in seeds]
+        diffs = [value(by_seed[first][s]) - value(by_seed[second][s]) for s in seeds]
         mean, std = spread(diffs)
         return {"per_seed": diffs, "mean": mean, "std": std, "sem": std / len(diffs) ** 0.5}
 

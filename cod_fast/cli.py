@@ -282,7 +282,16 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
 
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        if cfg.runtime.rollout_ranks:  # rollout workers and trainers (docs/async.md)
+            from cod_fast.async_rl import RolloutWorker, start_roles
+
+            role = start_roles(cfg)
+            if isinstance(role, RolloutWorker):
+                _rollout_worker_run(role)
+                return
+            trainer = role
+        else:
+            trainer = Trainer(cfg)
         if trainer.ctx.is_main:
             console.print(Text(dump_yaml(cfg)), highlight=False)
             console.print(
@@ -313,6 +322,28 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
         shutdown(trainer.ctx)
     if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
         raise typer.Exit(128 + summary["signal"])
+
+
+def _rollout_worker_run(worker) -> None:
+    """A rollout rank's whole run: it samples until the trainer's last batch; a failure is one
+    line (the trainer reports it too, and stops with a checkpoint)."""
+    from cod_fast.async_rl import RolloutWorkerError
+    from cod_fast.distributed import shutdown
+
+    try:
+        worker.run()
+    except (RolloutWorkerError, RuntimeError) as e:
+        Console(stderr=True).print(
+            f"error: rollout worker {worker.index}: {str(e).splitlines()[0] if str(e) else e!r}",
+            style="red",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(2) from None
+    finally:
+        worker.close()
+    shutdown(worker.ctx)
 
 
 @app.command()
@@ -380,6 +411,7 @@ def distill(
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
+    from cod_fast.async_rl.channel import RolloutWorkerError
     from cod_fast.checkpoint import CheckpointError
     from cod_fast.run_dir import RunDirError
     from cod_fast.train_step import NonFiniteError
@@ -387,7 +419,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     # What bad input and a bad machine raise (each message names the cause and the fix, an
     # OSError its path and errno: a full disk, a read-only folder); the rest are bugs and keep
     # their traceback. ValueError covers ConfigError and SequenceTooLongError.
-    return (ValueError, RunDirError, NonFiniteError, CheckpointError, OSError)
+    return (ValueError, RunDirError, NonFiniteError, CheckpointError, OSError, RolloutWorkerError)
 
 
 ETA_WINDOW_S = 1800.0

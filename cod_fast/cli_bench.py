@@ -245,6 +245,44 @@ def bench_rl_effect(
     rl_effect.main(_bench_argv(options, set=overrides, **{"warm-set": warm_overrides}))
 
 
+@bench_app.command("async")
+def bench_async(
+    models: Annotated[
+        str | None, typer.Option(help="Comma-separated: tiny, small (default both).")
+    ] = None,
+    staleness: Annotated[
+        str | None, typer.Option(help="Comma-separated max_staleness of the async arms [1,2].")
+    ] = None,
+    warm_steps: Annotated[int | None, typer.Option(help="Warm-start steps [200].")] = None,
+    rl_steps: Annotated[int | None, typer.Option(help="RL steps per arm [16].")] = None,
+    learn_seeds: Annotated[
+        str | None, typer.Option(help="Seeds of the learning arms, K=0 against K>0 [none].")
+    ] = None,
+    learn_from: Annotated[
+        Path | None, typer.Option(help="The warm-started run the learning arms start from.")
+    ] = None,
+    learn_steps: Annotated[int | None, typer.Option(help="RL steps per learning arm [90].")] = None,
+    learn_staleness: Annotated[
+        int | None, typer.Option(help="max_staleness of the learning's async arm [2].")
+    ] = None,
+    eval_packs: Annotated[
+        int | None, typer.Option(help="Held-out packs per evaluation of the learning arms [256].")
+    ] = None,
+    overrides: SetOption = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for the runs and results.")] = None,
+) -> None:
+    """Asynchronous RL on a 2-core CPU: the synchronous loop against a trainer and a rollout
+    worker on one core each, with the ideal overlap speedup; with --learn-seeds, the CoD gain
+    with and without staleness (cod_fast.bench.async_rl)."""
+    from cod_fast.bench import async_rl
+
+    options = {"models": models, "staleness": staleness, "warm-steps": warm_steps}
+    options |= {"rl-steps": rl_steps, "learn-seeds": learn_seeds, "learn-from": learn_from}
+    options |= {"learn-steps": learn_steps, "learn-staleness": learn_staleness}
+    options |= {"eval-packs": eval_packs, "out": out}
+    async_rl.main(_bench_argv(options, set=overrides))
+
+
 @bench_app.command("seeds")
 def bench_seeds(
     preset: Annotated[

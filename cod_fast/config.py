@@ -522,6 +522,14 @@ class TrainConfig(_Config):
     writes incomplete hints and RL has entries to add. Needs an environment that declares its
     hint format (docs/environments.md; FrozenLake does). Measured on tiny FrozenLake, RL then
     adds more but the warm start keeps far less, so the end is worse (docs/benchmarks.md)."""
+    max_staleness: int = 0
+    """Asynchronous RL: rollout batch b is sampled with the weights of RL step b - K (K this
+    value; rounded up to a multiple of sync_interval), so rollout workers sample up to K
+    batches ahead while the trainer trains. 0: every batch is sampled with the current weights
+    (the synchronous loop). K > 0 needs rollout workers (runtime.rollout_ranks under torchrun;
+    docs/async.md)."""
+    sync_interval: int = 1
+    """RL steps between weight broadcasts to the rollout workers (at most max_staleness + 1)."""
     carry_optimizer: bool = False
     """RL continues the warm start's AdamW moments (at RL's learning rate) instead of starting a
     fresh optimizer."""
@@ -558,6 +566,14 @@ class TrainConfig(_Config):
         )
         dropout_ok = 0 <= self.warm_start_hint_dropout <= 1
         self._require(dropout_ok, "warm_start_hint_dropout", "a probability in [0, 1]")
+        self._at_least(0, "max_staleness")
+        self._at_least(1, "sync_interval")
+        self._require(
+            self.sync_interval <= self.max_staleness + 1,
+            "sync_interval",
+            f"at most train.max_staleness + 1 = {self.max_staleness + 1} (a worker must not "
+            "need weights that are not broadcast yet); raise train.max_staleness or lower it",
+        )
 
 
 @dataclass(kw_only=True)
@@ -587,6 +603,13 @@ class RuntimeConfig(_Config):
     """Seconds a collective may wait for the other ranks before the run fails (the process
     group's timeout). Evaluation is split over the ranks, so no rank waits while another
     evaluates; the longest wait is the main rank writing a checkpoint."""
+    rollout_ranks: int = 0
+    """Under torchrun, the last this-many ranks are rollout workers that only sample (the
+    driver and sampler) and send their batches to the trainer ranks (docs/async.md); 0: every
+    rank samples and trains in turn."""
+    rollout_timeout_s: float = 1800.0
+    """Seconds the trainer waits for a rollout worker's next batch before it checkpoints and
+    stops with an error naming the worker."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -595,7 +618,8 @@ class RuntimeConfig(_Config):
         self._require(bool(self.run_dir.strip()), "run_dir", "a folder path, e.g. runs/my-run")
         self._at_least(0, "checkpoint_every", "keep_checkpoints", "eval_every")
         self._at_least(1, "log_every", "hsdp_replicate")
-        self._above(0, "dist_timeout_s")
+        self._at_least(0, "rollout_ranks")
+        self._above(0, "dist_timeout_s", "rollout_timeout_s")
 
 
 @dataclass(kw_only=True)
@@ -636,6 +660,14 @@ class Config(_Config):
                 "rollout.strategy",
                 f"got {self.rollout.strategy!r} with algo.algorithm='task_by_task'; expected "
                 "'cod' (Ralph strategies need update episodes, which task_by_task has not)",
+            )
+
+        if self.train.max_staleness and not self.runtime.rollout_ranks:
+            raise ConfigError(
+                "train.max_staleness",
+                f"got {self.train.max_staleness} with runtime.rollout_ranks=0; expected rollout "
+                "workers to sample ahead: set runtime.rollout_ranks=R and launch under torchrun "
+                "with more than R processes, or train.max_staleness=0",
             )
 
     def _check_teachers(self) -> None:

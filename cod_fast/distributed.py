@@ -51,6 +51,14 @@ class DistContext:
     mesh: DeviceMesh | None
     """The FSDP mesh: ("shard",) or ("replicate", "shard"); None in one process, except a
     mixed-precision one (a one-rank mesh: FSDP2 keeps its float32 master weights)."""
+    group: dist.ProcessGroup | None = None
+    """The group the collectives below run over: the trainer ranks when the run has rollout
+    workers (`rank` and `world_size` are then within it; trainers are the first ranks, so a
+    trainer's rank is its global rank); None: every process (the default group)."""
+    role: str = "trainer"
+    """`trainer`, or `rollout` for a rollout worker (cod_fast.async_rl)."""
+    rollout_ranks: int = 0
+    """The run's rollout workers, the last global ranks (runtime.rollout_ranks)."""
 
     @property
     def is_main(self) -> bool:
@@ -99,17 +107,28 @@ def init_distributed(
     *,
     timeout_s: float | None = None,
     one_rank_mesh: bool = False,
+    rollout_ranks: int = 0,
 ) -> DistContext:
     """This process's place in the run: under torchrun join the process group and build the
     mesh; otherwise one process, with no process group unless `one_rank_mesh` asks for a mesh
     of one rank (a process group of one over an in-memory store: no port, no network), which
     mixed precision shards over. `timeout_s` bounds every collective's wait (torch's default
-    when None)."""
+    when None). With `rollout_ranks` R > 0 the last R ranks are rollout workers: the trainers'
+    context has a group and a mesh of the first ranks only (every rank takes part in making
+    them, as torch requires), a worker's has role `rollout`."""
     dev = resolve_device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if rollout_ranks and world_size <= rollout_ranks:
+        raise ConfigError(
+            "runtime.rollout_ranks",
+            f"got {rollout_ranks} with {world_size} process(es); expected fewer rollout ranks "
+            "than processes: launch under torchrun with --nproc_per_node above it (trainers "
+            "first, then rollout workers)",
+        )
     if world_size == 1 and not one_rank_mesh:
         return DistContext(rank=0, world_size=1, local_rank=0, device=dev, mesh=None)
-    shape, names = mesh_layout(world_size, hsdp_replicate)
+    trainers = world_size - rollout_ranks
+    shape, names = mesh_layout(trainers, hsdp_replicate)
     rank, local_rank = 0, 0
     if world_size > 1:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -125,9 +144,34 @@ def init_distributed(
             options.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", **options)
         atexit.register(_release_groups)
-    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
+    if not rollout_ranks:
+        mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
+        return DistContext(
+            rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh
+        )
+    group = dist.new_group(list(range(trainers)))
+    mesh = None
+    if trainers > 1 or one_rank_mesh:
+        layout = torch.arange(trainers).reshape(shape)
+        mesh = DeviceMesh(dev.type, layout, mesh_dim_names=names)
+    if rank >= trainers:
+        return DistContext(
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            device=dev,
+            mesh=None,
+            role="rollout",
+            rollout_ranks=rollout_ranks,
+        )
     return DistContext(
-        rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh
+        rank=rank,
+        world_size=trainers,
+        local_rank=local_rank,
+        device=dev,
+        mesh=mesh,
+        group=group,
+        rollout_ranks=rollout_ranks,
     )
 
 
@@ -297,7 +341,7 @@ def load_model_state(policy: Policy, state: dict[str, torch.Tensor], ctx: DistCo
             if ctx.distributed:
                 # Everyone gets the full tensor, then keeps its own chunk (no further
                 # communication, so any mesh, HSDP included, takes the same path).
-                dist.broadcast(full, src=0)
+                dist.broadcast(full, src=0, group=ctx.group)
             if isinstance(target, DTensor):
                 full = distribute_tensor(
                     full, target.device_mesh, target.placements, src_data_rank=None
@@ -386,7 +430,7 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     if not ctx.distributed:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=ctx.group)
     return out
 
 
@@ -395,7 +439,7 @@ def broadcast_object(obj: Any, ctx: DistContext) -> Any:
     if not ctx.distributed:
         return obj
     box = [obj if ctx.is_main else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=ctx.group)
     return box[0]
 
 
@@ -404,19 +448,20 @@ def all_reduce_max(x: int, ctx: DistContext) -> int:
     if not ctx.distributed:
         return int(x)
     value = torch.tensor([int(x)], dtype=torch.int64, device=ctx.device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ctx.group)
     return int(value)
 
 
 def barrier(ctx: DistContext) -> None:
     """Wait until every rank is here (no-op in one process)."""
     if ctx.distributed:
-        dist.barrier(device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        dist.barrier(group=ctx.group, device_ids=device_ids)
 
 
 def shutdown(ctx: DistContext) -> None:
     """Leave the process group (when this run made one)."""
-    if ctx.sharded and dist.is_initialized():
+    if (ctx.sharded or ctx.rollout_ranks) and dist.is_initialized():
         dist.destroy_process_group()
 
 

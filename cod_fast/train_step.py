@@ -93,18 +93,22 @@ class _MetricSums:
 
 
 def _read_totals(
-    tokens: int, loss: torch.Tensor, norm: torch.Tensor, sums: _MetricSums
+    tokens: int,
+    loss: torch.Tensor,
+    norm: torch.Tensor,
+    sums: _MetricSums,
+    group: dist.ProcessGroup | None,
 ) -> tuple[int, float, float, dict[str, float]]:
-    """(tokens, loss, gradient norm, metrics) summed (min, max) over every rank, read to the
-    host at once: the step's one wait for the device. The reductions run on the device, as
-    NCCL needs."""
+    """(tokens, loss, gradient norm, metrics) summed (min, max) over the trainer ranks (`group`;
+    None: every rank), read to the host at once: the step's one wait for the device. The
+    reductions run on the device, as NCCL needs."""
     head = torch.full((1,), float(tokens), dtype=torch.float64, device=loss.device)
     parts = [torch.cat([head, loss.reshape(1), sums.groups[0]]), *sums.groups[1:]]
     if dist.is_available() and dist.is_initialized():
         ops = (dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX)
         for part, op in zip(parts, ops, strict=True):
             if part.numel():
-                dist.all_reduce(part, op=op)
+                dist.all_reduce(part, op=op, group=group)
     values = torch.cat([*parts, norm.detach().double().reshape(1)]).tolist()
     tokens_sum, loss_sum = values[:2]
     metrics = dict(zip(sums.names, values[2:-1], strict=True))
@@ -119,8 +123,10 @@ def train_step(
     denominator: float,
     config: LossConfig,
     grad_clip: float,
+    group: dist.ProcessGroup | None = None,
 ) -> StepResult:
-    """Accumulate the loss over this rank's micro-batches, clip, and step the optimizer."""
+    """Accumulate the loss over this rank's micro-batches, clip, and step the optimizer; the
+    step's totals are summed over `group`'s ranks (None: every rank)."""
     policy.train()
     optimizer.zero_grad(set_to_none=True)
     device = next(policy.parameters()).device
@@ -139,7 +145,7 @@ def train_step(
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
     if isinstance(norm, DTensor):  # FSDP2: the norm over every shard
         norm = norm.full_tensor()
-    tokens, total, norm, sums = _read_totals(tokens, total, norm, sums)
+    tokens, total, norm, sums = _read_totals(tokens, total, norm, sums, group)
     if not math.isfinite(total):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(

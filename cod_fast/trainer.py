@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import save_file
 
 from cod_fast.algo.assign import assign_advantages
+from cod_fast.async_rl.channel import RolloutWorkerError
+from cod_fast.batches import BatchSource, LocalBatches, mixed_packs
 from cod_fast.checkpoint import (
     CheckpointError,
     read_model_state,
@@ -61,7 +63,7 @@ from cod_fast.distributed import (
     shard_policy,
 )
 from cod_fast.envs import make_env
-from cod_fast.envs.packs import PackSpec, draw_env, make_packs, pack_seeds
+from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
 from cod_fast.init_from import initial_weights
 from cod_fast.metrics import PositionSummary, summarize_rollouts
@@ -176,7 +178,11 @@ def _teacher_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
 class Trainer:
     """One process's share of a run (all of it without torchrun)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext | None = None):
+    def __init__(
+        self, cfg: Config, ctx: DistContext | None = None, batches: BatchSource | None = None
+    ):
+        """`batches`: where RL steps get their rollouts; default this process's own driver
+        (LocalBatches), cod_fast.async_rl.RemoteBatches for rollout workers."""
         self.cfg = cfg
         device = resolve_device(cfg.runtime.device)
         self.compute_dtype = resolve_dtype(cfg.model, device)
@@ -211,6 +217,7 @@ class Trainer:
             Policy(model, self.impl), self.ctx, compute_dtype=self.compute_dtype
         )
         self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
+        self.batches = batches or LocalBatches(cfg, self.driver, self.ctx)
         self.teachers = (
             Teachers(cfg.algo.teachers, cfg.model, self.device, self.tokenizer, self.impl)
             if cfg.algo.teachers
@@ -309,7 +316,13 @@ class Trainer:
                 return
             if self.step == self.warm_steps:
                 self._begin_rl()
-            record = self._one_step()
+            try:
+                record = self._one_step()
+            except RolloutWorkerError:
+                self._checkpoint()  # every step trained so far is kept
+                if self.stop_requested:  # a signal ended the wait: a stop, not a failure
+                    return
+                raise
             skipped = skipped + 1 if record["skipped"] else 0
             if skipped >= cfg.train.max_skipped_steps:
                 raise NonFiniteError(
@@ -328,6 +341,9 @@ class Trainer:
             if due and self.step < self.total_steps:
                 self._evaluate(f"rl step {rl_steps}")
 
+    def _stopping(self) -> bool:
+        return self.stop_requested
+
     def _request_stop(self, signum, frame) -> None:
         if self.stop_requested:  # a second signal: stop at once
             raise KeyboardInterrupt
@@ -344,10 +360,10 @@ class Trainer:
             t_sampled = t0
             update = self._update(rollouts, SFT_LOSS, mini_batches=1)
         else:
-            rollouts = self.driver.run(self._my_packs(), self.cfg.rollout.group_size)
+            batch = self.batches.next(self.step - self.warm_steps, self.policy, self._stopping)
             t_sampled = time.perf_counter()
-            rollouts = [r for part in gather_objects(rollouts, self.ctx) for r in part]
-            rollouts.sort(key=lambda r: (r.pack_id, r.member))
+            rollouts = batch.rollouts
+            extra.update(batch.metrics)
             extra["red_tau"] = assign_advantages(rollouts, self.cfg.algo)
             extra.update(credit_metrics(rollouts))
             if hasattr(self.sampler, "sleep"):  # vLLM frees its memory for training
@@ -357,6 +373,8 @@ class Trainer:
         self.step += 1
         if self.step >= self.warm_steps:  # the next step (or the last eval) samples
             self._sync_sampler()
+        if not warm:
+            self.batches.trained(self.step - self.warm_steps, self.policy)
         t_end = time.perf_counter()
         last = update.steps[-1] if update.steps else None
         metrics = dict(last.metrics) if last else {}
@@ -368,6 +386,8 @@ class Trainer:
                 del metrics[name]
             else:
                 metrics[name] = update.steps[0].metrics[name]
+                if "staleness" in extra:  # the gap by how old the sampler's weights were
+                    metrics[f"staleness{extra['staleness']}/{name}"] = metrics[name]
         record: dict[str, Any] = {
             "step": self.step,
             "phase": "warm_start" if warm else "rl",
@@ -395,36 +415,14 @@ class Trainer:
 
     # --- data ----------------------------------------------------------------------------------
 
-    def _my_packs(self):
-        """This RL step's packs (seeds from the step, so a resumed run sees the same ones),
-        this rank's share; every member of a pack stays on one rank."""
-        rollout, train = self.cfg.rollout, self.cfg.train
-        count = rollout.packs_per_step
-        start = (self.step - self.warm_steps) * count
-        seeds = pack_seeds("train", count, train.seed, start=start)
-        packs = make_packs(seeds, rollout.tasks_per_pack, rollout.strategy)
-        return self._mixed(packs, "train", start)[self.ctx.rank :: self.ctx.world_size]
-
-    def _mixed(self, packs: list[PackSpec], split: str, start: int) -> list[PackSpec]:
-        """Each pack given its environment, drawn by weight from the split and the pack's index
-        in the run (so a resumed run draws the same)."""
-        names = [e.name for e in self.mix]
-        weights = [e.weight for e in self.mix]
-        return [
-            dataclasses.replace(
-                spec, env=draw_env(names, weights, split, self.cfg.train.seed, start + i)
-            )
-            for i, spec in enumerate(packs)
-        ]
-
     def _demonstrations(self) -> list[Rollout]:
         """The explorer through this warm-start step's packs; every rank makes them all (it is
         deterministic and cheap), and packing then splits them like rollouts."""
         train = self.cfg.train
         count = train.warm_start_packs
         seeds = pack_seeds("warm", count, train.seed, start=self.step * count)
-        packs = self._mixed(
-            make_packs(seeds, self.cfg.rollout.tasks_per_pack), "warm", self.step * count
+        packs = mixed_packs(
+            self.cfg, make_packs(seeds, self.cfg.rollout.tasks_per_pack), "warm", self.step * count
         )
         return demonstrations(
             self.envs,
@@ -467,6 +465,7 @@ class Trainer:
                     denominator=aggregation_denominator(loss, tokens, segments),
                     config=loss,
                     grad_clip=self.cfg.train.grad_clip,
+                    group=self.ctx.group,
                 )
             except NonFiniteError as e:  # nothing was updated; the run decides whether to go on
                 update.skipped += 1
@@ -548,7 +547,11 @@ class Trainer:
             self.on_eval(progress)
 
     def _checkpoint(self) -> None:
-        rank_state = {"rng": rng_state(), "sampler": self.sampler.state_dict()}
+        rank_state = {
+            "rng": rng_state(),
+            "sampler": self.sampler.state_dict(),
+            "batch_source": self.batches.state(),  # the rollout workers' sampler states
+        }
         ranks = gather_objects(rank_state, self.ctx)
         weights = model_state(self.policy, self.ctx)
         optim = optimizer_state(self.policy, self.optimizer, self.ctx)
@@ -613,6 +616,7 @@ class Trainer:
             )
             self._freeze_reference(state, save=False)
         ranks = read_rank_states(ckpt)
+        self.batches.load_state(ranks[0].get("batch_source") if ranks else None)
         if len(ranks) == self.ctx.world_size:  # else new streams: resumed, but not bit-for-bit
             set_rng_state(ranks[self.ctx.rank]["rng"])
             self.sampler.load_state_dict(ranks[self.ctx.rank]["sampler"])
@@ -635,6 +639,7 @@ class Trainer:
         """Free the samplers' engine (vLLM: its memory and its groups), so that another run can
         start in this process, and give back the run directory's lock; the process group stays.
         A torch sampler has nothing to free."""
+        self.batches.close()
         for sampler in (self.samplers.train, self.samplers.eval):
             if hasattr(sampler, "close"):
                 sampler.close()

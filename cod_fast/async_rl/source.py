@@ -1,0 +1,128 @@
+"""The trainer's batch source when rollout workers sample (docs/async.md).
+
+Same four methods as `cod_fast.batches.LocalBatches`. The first `next` tells the workers where
+RL starts and broadcasts the weights they start from; every batch then comes from the workers'
+queue, tagged with the version it was sampled with, and after each update `trained` broadcasts
+the new weights when the staleness rule (cod_fast.async_rl.staleness) says a batch needs them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from cod_fast.async_rl.channel import (
+    BatchReceiver,
+    Groups,
+    RolloutWorkerError,
+    Start,
+    WeightPublisher,
+    send_start,
+)
+from cod_fast.async_rl.staleness import broadcasts, weights_version
+from cod_fast.batches import Batch, sort_rollouts
+from cod_fast.distributed import DistContext, broadcast_object, full_parameters
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from cod_fast.config import Config
+    from cod_fast.policy import Policy
+
+
+class RemoteBatches:
+    """Batches from the rollout workers, at most `train.max_staleness` versions old."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: DistContext,
+        groups: Groups,
+        dtype: torch.dtype,
+    ):
+        self.cfg, self.ctx, self.groups = cfg, ctx, groups
+        self.rl_steps = cfg.train.steps
+        self.publisher = WeightPublisher(groups.weights, dtype)
+        self.receiver: BatchReceiver | None = None
+        self.first: int | None = None
+        self.finished = False
+        self.sampler_states: list[Any] | None = None
+
+    def _rule(self) -> tuple[int, int, int]:
+        train = self.cfg.train
+        return train.max_staleness, train.sync_interval, self.first or 0
+
+    def _start(self, rl_step: int, policy: Policy) -> None:
+        """Tell the workers where RL starts and send them the weights they start from."""
+        self.first = rl_step
+        if self.ctx.is_main:
+            start = Start(rl_step, self.rl_steps - 1, rl_step, self.sampler_states)
+            send_start(start, self.groups.weights)
+            batches = self.rl_steps - rl_step
+            self.receiver = BatchReceiver(self.groups.batches, self.groups.worker_ranks, batches)
+        self.publisher.publish(full_parameters(policy), self.ctx.is_main)
+
+    def next(self, rl_step: int, policy: Policy, stop: Callable[[], bool]) -> Batch:
+        """Batch `rl_step`, as the workers sampled it; `stop()` true (a signal) ends the wait
+        with RolloutWorkerError."""
+        if self.first is None:
+            self._start(rl_step, policy)
+        waited = time.perf_counter()
+        got: Any = None
+        if self.ctx.is_main:
+            assert self.receiver is not None
+            try:
+                parts = self.receiver.get(rl_step, self.cfg.runtime.rollout_timeout_s, stop)
+            except RolloutWorkerError as exc:
+                got = str(exc)
+            else:
+                got = (
+                    [r for part in parts for r in part.rollouts],
+                    parts[0].version,
+                    [part.sampler_state for part in parts],
+                    max(part.sample_s for part in parts),
+                )
+        got = broadcast_object(got, self.ctx)
+        if isinstance(got, str):  # every trainer rank stops alike
+            raise RolloutWorkerError(got)
+        rollouts, version, states, sample_s = got
+        max_staleness, interval, first = self._rule()
+        expected = weights_version(rl_step, max_staleness, interval, first)
+        if version != expected:
+            raise RolloutWorkerError(
+                f"batch {rl_step} was sampled with weights version {version}, expected "
+                f"{expected} (train.max_staleness={max_staleness}, sync_interval={interval})"
+            )
+        self.sampler_states = states
+        self.finished = rl_step == self.rl_steps - 1
+        return Batch(
+            sort_rollouts(rollouts),
+            {
+                "staleness": rl_step - version,
+                "weights_version": version,
+                "rollout_wait_s": time.perf_counter() - waited,
+                "worker_sample_s": sample_s,
+            },
+        )
+
+    def trained(self, version: int, policy: Policy) -> None:
+        """Broadcast `version` if some later batch is sampled with it."""
+        max_staleness, interval, first = self._rule()
+        if broadcasts(version, self.rl_steps - 1, max_staleness, interval, first):
+            self.publisher.publish(full_parameters(policy), self.ctx.is_main)
+
+    def state(self) -> Any:
+        """The workers' sampler states after the last batch trained on: a resumed run's
+        workers continue their streams from there."""
+        return self.sampler_states
+
+    def load_state(self, state: Any) -> None:
+        self.sampler_states = state
+
+    def close(self) -> None:
+        """After the last batch, wait for the last broadcast (the workers take every one they
+        need); a run that stopped early leaves it (no worker will take it)."""
+        if self.finished:
+            self.publisher.wait()

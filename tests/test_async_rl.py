@@ -1,0 +1,232 @@
+"""Asynchronous RL (cod_fast.async_rl): the staleness rule, its config checks, and runs under
+torchrun with one trainer and one rollout worker (two gloo processes on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cod_fast.async_rl.staleness import broadcasts, next_broadcast, weights_version
+from cod_fast.checkpoint import latest_checkpoint, read_model_state
+from cod_fast.config import ConfigError
+from cod_fast.config_io import load_config
+from tests.test_trainer import FAST, metrics
+
+
+def _worker_takes(first: int, last: int, k: int, n: int) -> tuple[list[int], list[int]]:
+    """What a worker does under the rule: the version it samples each batch with, and every
+    broadcast it receives, in order (as cod_fast.async_rl.worker.RolloutWorker.run)."""
+    version, used, taken = first, [], [first]
+    for batch in range(first, last + 1):
+        while version < weights_version(batch, k, n, first):
+            version = next_broadcast(version, n)
+            taken.append(version)
+        used.append(version)
+    return used, taken
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_rule_bounds_staleness_and_the_worker_takes_exactly_the_broadcasts(seed):
+    """For random K, N <= K + 1 and start versions: no batch is sampled with weights more than
+    K versions old or newer than the batch (which the trainer could not have made yet); a
+    worker that takes broadcasts until it holds V(b) lands on V(b) exactly, and the broadcasts
+    it takes are exactly those the trainer makes (so no broadcast waits forever, none is
+    missing)."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        k = rng.randint(0, 6)
+        n = rng.randint(1, k + 1)
+        first = rng.randint(0, 9)
+        last = first + rng.randint(0, 30)
+        used, taken = _worker_takes(first, last, k, n)
+        for batch, version in zip(range(first, last + 1), used, strict=True):
+            assert version == weights_version(batch, k, n, first)
+            assert batch - k <= version <= batch, (k, n, first, batch, version)
+            assert version == first or version % n == 0
+        made = [first] + [v for v in range(first + 1, last + 1) if broadcasts(v, last, k, n, first)]
+        assert taken == made, (k, n, first, last)
+        assert used == sorted(used)
+
+
+def test_zero_staleness_samples_every_batch_with_the_current_weights():
+    assert [weights_version(b, 0, 1) for b in range(6)] == list(range(6))
+    assert [weights_version(b, 2, 1) for b in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [weights_version(b, 3, 2) for b in range(8)] == [0, 0, 0, 0, 2, 2, 4, 4]
+
+
+def test_config_refuses_staleness_without_workers_and_a_sync_interval_past_the_bound():
+    with pytest.raises(ConfigError, match=r"runtime\.rollout_ranks"):
+        load_config("tiny-cpu", overrides=["train.max_staleness=2"])
+    with pytest.raises(ConfigError, match="sync_interval"):
+        load_config(
+            "tiny-cpu",
+            overrides=["train.max_staleness=1", "train.sync_interval=3", "runtime.rollout_ranks=1"],
+        )
+    cfg = load_config(
+        "tiny-cpu",
+        overrides=["train.max_staleness=3", "train.sync_interval=4", "runtime.rollout_ranks=1"],
+    )
+    assert (cfg.train.max_staleness, cfg.train.sync_interval) == (3, 4)
+
+
+SHORT = [*FAST, "train.steps=4", "runtime.checkpoint_every=0"]
+
+
+def _train(run_dir, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+    args += ["--standalone", "-m", "cod_fast.cli", "train", "--preset", "tiny-cpu"]
+    for override in [*SHORT, f"runtime.run_dir={run_dir}", *overrides]:
+        args += [override] if override.startswith("--") else ["--set", override]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+
+
+WAITS = {"rollout_wait_s", "worker_sample_s"}
+"""The asynchronous runs' own timings (metrics() leaves out the step's)."""
+
+
+def _untimed(run_dir) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in WAITS} for row in metrics(run_dir)]
+
+
+def _said(result: subprocess.CompletedProcess) -> str:
+    return (result.stdout + result.stderr)[-4000:]
+
+
+def _weights(run_dir) -> dict[str, torch.Tensor]:
+    return read_model_state(latest_checkpoint(run_dir))
+
+
+@pytest.mark.slow
+def test_zero_staleness_through_rollout_workers_equals_the_synchronous_run(tmp_path):
+    """K = 0 through the asynchronous machinery (a trainer and a rollout worker, batches and
+    weights over gloo) is the synchronous one-process run bit for bit: every logged metric and
+    the final weights."""
+    sync = _train(tmp_path / "sync", ranks=1)
+    assert sync.returncode == 0, _said(sync)
+    split = _train(tmp_path / "async", "runtime.rollout_ranks=1")
+    assert split.returncode == 0, _said(split)
+    got = metrics(tmp_path / "async")
+    assert [r["staleness"] for r in got if r["phase"] == "rl"] == [0, 0, 0, 0]
+    extra = {"staleness", "weights_version"}
+    untimed = [{k: v for k, v in r.items() if k not in extra} for r in _untimed(tmp_path / "async")]
+    assert untimed == metrics(tmp_path / "sync")
+    want, have = _weights(tmp_path / "sync"), _weights(tmp_path / "async")
+    assert want.keys() == have.keys()
+    for name in want:
+        assert torch.equal(want[name], have[name]), name
+
+
+@pytest.mark.slow
+def test_bounded_staleness_never_lags_more_than_k_and_keeps_the_rule(tmp_path):
+    """K = 2, sync interval 2: each RL step logs the version its batch was sampled with, which
+    is the rule's V(b) (never more than 2 behind), and the run trains to its end."""
+    result = _train(
+        tmp_path / "run",
+        "runtime.rollout_ranks=1",
+        "train.max_staleness=2",
+        "train.sync_interval=2",
+        "train.steps=6",
+    )
+    assert result.returncode == 0, _said(result)
+    rl = [r for r in metrics(tmp_path / "run") if r["phase"] == "rl"]
+    assert [r["phase_step"] for r in rl] == [1, 2, 3, 4, 5, 6]
+    versions = [r["weights_version"] for r in rl]
+    assert versions == [weights_version(b, 2, 2) for b in range(6)] == [0, 0, 0, 2, 2, 4]
+    assert [r["staleness"] for r in rl] == [b - v for b, v in enumerate(versions)]
+    assert max(r["staleness"] for r in rl) == 2
+    assert all(r["loss"] is not None for r in rl)
+
+
+@pytest.mark.slow
+def test_more_rollout_ranks_than_processes_is_one_line(tmp_path):
+    result = _train(tmp_path / "run", "runtime.rollout_ranks=2")
+    assert result.returncode != 0
+    said = result.stdout + result.stderr
+    assert "runtime.rollout_ranks" in said and "fewer rollout ranks than processes" in said
+    # torchrun's agent prints its own traceback when a rank fails; none of cod-fast's frames.
+    assert "error: runtime.rollout_ranks" in said and "cod_fast/" not in said, _said(result)
+
+
+def _worker_pid(run_dir) -> int | None:
+    """The rollout worker (RANK=1) of the torchrun training into `run_dir`."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"RANK=1" in environ and str(run_dir).encode() in cmdline:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_run_with_a_checkpoint_and_resume_matches_the_straight_run(
+    tmp_path,
+):
+    """SIGKILL to the rollout worker mid-run: torchrun stops the trainer, which checkpoints the
+    steps it trained; `--resume` regenerates the batches in flight (the worker's sampler stream
+    continues from the last batch trained on) and, at K = 0, ends with the uninterrupted run's
+    metrics and weights bit for bit; no step is logged or trained twice."""
+    steps = ["train.steps=14", "runtime.checkpoint_every=1", "runtime.rollout_ranks=1"]
+    straight = _train(tmp_path / "straight", *steps)
+    assert straight.returncode == 0, _said(straight)
+    run = tmp_path / "killed"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    args += ["--standalone", "-m", "cod_fast.cli", "train", "--preset", "tiny-cpu"]
+    for override in [*SHORT, f"runtime.run_dir={run}", *steps]:
+        args += ["--set", override]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:
+        log = run / "metrics.jsonl"
+        if log.exists() and len(log.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.2)
+    pid = _worker_pid(run)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    said = proc.communicate(timeout=200)[0].decode()
+    assert proc.returncode != 0
+    logged = [r["step"] for r in metrics(run)]
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) < 16, said[-3000:]
+    assert latest_checkpoint(run).step == len(logged)
+    resumed = _train(run, *steps, "--resume")
+    assert resumed.returncode == 0, _said(resumed)
+    assert [r["step"] for r in metrics(run)] == list(range(1, 17))
+    assert _untimed(run) == _untimed(tmp_path / "straight")
+    want, have = _weights(tmp_path / "straight"), _weights(run)
+    for name in want:
+        assert torch.equal(want[name], have[name]), name
+
+
+@pytest.mark.slow
+def test_two_fsdp_trainers_and_a_worker_train_over_their_own_group(tmp_path):
+    """Three processes: two trainer ranks sharding the policy with FSDP2 over a group of their
+    own (the worker takes no part in their collectives) and one rollout worker. The warm start
+    (no worker involved) gives one process's losses within fp32 tolerance; RL runs to its end
+    within the staleness bound, and the checkpoint holds full weights."""
+    steps = ["train.steps=3", "train.max_staleness=1", "runtime.rollout_ranks=1"]
+    result = _train(tmp_path / "three", *steps, ranks=3)
+    assert result.returncode == 0, _said(result)
+    one = _train(tmp_path / "one", "train.steps=0", ranks=1)
+    assert one.returncode == 0, _said(one)
+    three, single = metrics(tmp_path / "three"), metrics(tmp_path / "one")
+    warm = [r for r in three if r["phase"] == "warm_start"]
+    assert [r["loss"] for r in warm] == pytest.approx([r["loss"] for r in single], rel=1e-5)
+    rl = [r for r in three if r["phase"] == "rl"]
+    assert [r["staleness"] for r in rl] == [0, 1, 1]
+    weights = _weights(tmp_path / "three")
+    assert weights.keys() == _weights(tmp_path / "one").keys()
