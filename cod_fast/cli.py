@@ -333,14 +333,7 @@ def _rollout_worker_run(worker) -> None:
     try:
         worker.run()
     except (RolloutWorkerError, RuntimeError) as e:
-        Console(stderr=True).print(
-            f"error: rollout worker {worker.index}: {str(e).splitlines()[0] if str(e) else e!r}",
-            style="red",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(2) from None
+        fail(f"rollout worker {worker.index}: {str(e).splitlines()[0] if str(e) else e!r}")
     finally:
         worker.close()
     shutdown(worker.ctx)

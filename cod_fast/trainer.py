@@ -1,7 +1,8 @@
 """`cod-fast train`: colocated sampling and fused-loss training, one process per device.
 
 Every step, top to bottom:
-  rollouts (this rank's packs x group, one batched sampler call per driver step)
+  rollouts (this rank's packs x group, one batched sampler call per driver step; with rollout
+     workers, the batch they sampled ahead: cod_fast.batches, cod_fast.async_rl)
   -> gathered on every rank -> advantages (CoD or task-by-task, RED-weight; cod_fast.algo)
   -> packing into micro-batches balanced over the ranks, the step's global denominator
   -> old / reference log-probs where the config asks for them (bypass by default)

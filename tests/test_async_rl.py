@@ -147,6 +147,15 @@ def test_bounded_staleness_never_lags_more_than_k_and_keeps_the_rule(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_that_never_reaches_rl_ends_its_workers_cleanly(tmp_path):
+    """A warm start alone (train.steps=0) with a rollout worker: the trainer tells the worker
+    there is nothing to sample, and both processes end with exit code 0."""
+    result = _train(tmp_path / "run", "train.steps=0", "runtime.rollout_ranks=1")
+    assert result.returncode == 0, _said(result)
+    assert all(r["phase"] == "warm_start" for r in metrics(tmp_path / "run"))
+
+
+@pytest.mark.slow
 def test_more_rollout_ranks_than_processes_is_one_line(tmp_path):
     result = _train(tmp_path / "run", "runtime.rollout_ranks=2")
     assert result.returncode != 0

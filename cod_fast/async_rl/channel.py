@@ -81,7 +81,7 @@ class Start:
     first_batch: int
     """The first batch to sample (the RL step the trainer is at)."""
     last_batch: int
-    """The last batch of the run."""
+    """The last batch of the run (below first_batch: nothing to sample, the run is over)."""
     version: int
     """The version of the weights that follow (equal to first_batch)."""
     sampler_states: list[Any] | None = None

@@ -123,6 +123,10 @@ class RemoteBatches:
 
     def close(self) -> None:
         """After the last batch, wait for the last broadcast (the workers take every one they
-        need); a run that stopped early leaves it (no worker will take it)."""
+        need); a run that stopped early leaves it (no worker will take it). A run that never
+        reached RL (a warm start alone, a resume of a finished run, a stop or failure before)
+        tells the workers there is nothing to sample, so they end as it does."""
         if self.finished:
             self.publisher.wait()
+        elif self.first is None and self.ctx.is_main:
+            send_start(Start(first_batch=0, last_batch=-1, version=0), self.groups.weights)

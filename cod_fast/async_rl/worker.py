@@ -79,6 +79,8 @@ class RolloutWorker:
     def run(self) -> int:
         """Sample every batch from the trainer's start to the run's end; the batches sent."""
         start: Start = send_start(None, self.groups.weights)
+        if start.first_batch > start.last_batch:  # the run ended before RL
+            return 0
         if start.sampler_states is not None:
             self.sampler.load_state_dict(start.sampler_states[self.index])
         self._take_weights(start.version)
