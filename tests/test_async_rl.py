@@ -19,6 +19,7 @@ from cod_fast.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.config import ConfigError
 from cod_fast.config_io import load_config
 from tests.test_trainer import FAST, metrics
+from tests.test_vllm_engine import requires_vllm
 
 
 def _worker_takes(first: int, last: int, k: int, n: int) -> tuple[list[int], list[int]]:
@@ -239,3 +240,20 @@ def test_two_fsdp_trainers_and_a_worker_train_over_their_own_group(tmp_path):
     assert [r["staleness"] for r in rl] == [0, 1, 1]
     weights = _weights(tmp_path / "three")
     assert weights.keys() == _weights(tmp_path / "one").keys()
+
+
+@pytest.mark.slow
+@requires_vllm
+def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
+    """The worker's sampler can be the vLLM engine (the CPU engine here): its engine starts from
+    a folder the worker writes itself (transformers writes nothing on a global rank other than
+    0), then takes every broadcast; at staleness 0 its log-probs equal the trainer's to float
+    rounding, as in a synchronous vLLM run, after a warm start has moved the weights."""
+    vllm = ["model.num_heads=1", "rollout.sampler=vllm", "rollout.vllm_eager=true"]
+    result = _train(tmp_path / "run", *vllm, "train.steps=2", "runtime.rollout_ranks=1")
+    assert result.returncode == 0, _said(result)
+    rl = [r for r in metrics(tmp_path / "run") if r["phase"] == "rl"]
+    assert [r["staleness"] for r in rl] == [0, 0]
+    for r in rl:
+        assert r["sampler_gap_mean"] < 1e-5 and r["sampler_gap_max"] < 1e-4
+    assert (tmp_path / "run" / "sampler-model-rollout" / "model.safetensors").exists()

@@ -138,9 +138,27 @@ def _engine_folder(cfg: Config, model, tokenizer, ctx: DistContext) -> str:
     with its config, tokenizer and weights (the engine then gets every later weight by push)."""
     if cfg.model.name_or_path != BUILTIN_TINY:
         return cfg.model.name_or_path
-    path = Path(cfg.runtime.run_dir) / "sampler-model"
-    if ctx.is_main:
+    # Rollout workers (cod_fast.async_rl) start their engines from a folder of their own: the
+    # trainers' main rank writes the other one at the same time.
+    name = "sampler-model" if ctx.role == "trainer" else "sampler-model-rollout"
+    path = Path(cfg.runtime.run_dir) / name
+    if ctx.is_main and ctx.role == "trainer":
         model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    elif ctx.is_main:
+        # transformers' save_pretrained writes nothing on a global rank other than 0.
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(model.config)  # what save_pretrained would record
+        config.architectures = [type(model).__name__]
+        config.dtype = next(model.parameters()).dtype
+        config.save_pretrained(path)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(path)
+        # Tied weights once, under the name save_pretrained keeps (named_parameters' first).
+        weights = {name: p.detach().contiguous() for name, p in model.named_parameters()}
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(path)
     barrier(ctx)
     return str(path)
