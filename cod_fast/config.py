@@ -520,7 +520,7 @@ class TrainConfig(_Config):
     """Probability that each known entry of a demonstration's hints is written as unknown
     (never wrong; the explorer relearns it on the next task), so that the warm-started model
     writes incomplete hints and RL has entries to add. Needs an environment that declares its
-    hint format (docs/environments.md; FrozenLake does). Measured on tiny FrozenLake, RL then
+    hint format (docs/environments.md; FrozenLake and Terminal do). Measured on tiny FrozenLake, RL then
     adds more but the warm start keeps far less, so the end is worse (docs/benchmarks.md)."""
     max_staleness: int = 0
     """Asynchronous RL: rollout batch b is sampled with the weights of RL step b - K (K this

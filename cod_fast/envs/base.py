@@ -20,7 +20,7 @@ does not know the rule but writes what it learns into hints and reads them back 
 task. `play_pack` runs a scripted agent through a pack the way the rollout driver runs a model
 (hints replaced between tasks), so tests and `cod-fast envs solve` can see the CoD effect
 without a model. An environment that states its hidden rule as hint entries (`hint_truth`,
-`hint_entries`, `knowable_entries`, `render_hints`; FrozenLake does) gets hint-quality
+`hint_entries`, `knowable_entries`, `render_hints`; FrozenLake and Terminal do) gets hint-quality
 diagnostics in every run and `cod-fast eval --hints`.
 """
 

@@ -28,6 +28,7 @@ import functools
 import random
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cod_fast.envs.base import (
@@ -43,6 +44,16 @@ from cod_fast.envs.base import (
 )
 
 DIALECTS = ("windows", "macos", "linux")
+_HINT = re.compile(r"dialect:\s*(windows|macos|linux)")
+
+
+def read_dialect(hints: str | None) -> str | None:
+    """The dialect a hint states as `dialect: NAME` (any case; the first one counts), the way
+    the scripted explorer writes it."""
+    found = _HINT.search((hints or "").lower())
+    return found.group(1) if found else None
+
+
 PARTIAL_SCALE = 0.5
 """An incomplete or late goal earns at most this much (times the fraction of conditions met)."""
 _ANSWER = Tag("answer")
@@ -565,8 +576,7 @@ class TerminalExplorer(Agent):
 
     def start(self, task: Task, hints: str | None) -> None:
         self.goal = parse_goal(task.prompt())
-        m = re.search(r"dialect:\s*(windows|macos|linux)", (hints or "").lower())
-        self.dialect = m.group(1) if m else None
+        self.dialect = read_dialect(hints)
         self.next = 0  # index of the next command of the plan
         self.sent: str | None = None
 
@@ -613,3 +623,26 @@ class TerminalEnv(Environment):
 
     def explorer(self) -> Agent:
         return TerminalExplorer()
+
+    def hint_truth(self, pack_seed: int) -> dict[str, str]:
+        """The one entry: the pack's dialect."""
+        return {"dialect": self.rule(pack_seed)[0]}
+
+    def hint_entries(self, hints: str | None) -> dict[str, str]:
+        """`dialect: NAME` as the explorer reads it (any case; the first one counts)."""
+        dialect = read_dialect(hints)
+        return {"dialect": dialect} if dialect else {}
+
+    def knowable_entries(
+        self, known: dict[str, str], task: Task, steps: Sequence[tuple[str, str]], feedback: str
+    ) -> dict[str, str]:
+        """What the explorer believes after the episode: its belief before, replaced by the
+        dialect any output of a command gives away (the observations after the first; the
+        explorer reads nothing else)."""
+        dialect = known.get("dialect")
+        for observation, _ in steps[1:]:
+            dialect = dialect_of(observation) or dialect
+        return {"dialect": dialect} if dialect else {}
+
+    def render_hints(self, entries: dict[str, str]) -> str:
+        return f"dialect: {entries['dialect']}" if "dialect" in entries else "dialect: ?"
