@@ -14,7 +14,10 @@ so rollouts look like trained ones), `--rl-steps` RL steps of the preset, no eva
    worker (`runtime.rollout_ranks=1`, `train.max_staleness=k`), one thread each.
 Per arm: the mean RL step time (the trainer's whole step, its waits for batches included; the
 first two steps left out: start-up), training tokens per second (packed tokens over step time),
-and the speedup over the one-core loop's S + T, with its fraction of the ideal.
+and the speedup over the one-core loop's S + T, with its fraction of the ideal. For the
+asynchronous arms also each stage's time as measured there, with both cores busy (the
+worker's sampling; the trainer's step less its wait for the batch), and `of pipeline`: the
+slower stage over the step time, how close the overlap comes to what those stages allow.
 
 With `--learn-seeds 0,1,2`, also what staleness does to learning: from one warm-started
 checkpoint (`--learn-from RUN`, e.g. `cod-fast bench rl-effect`'s `runs/warm`; else a warm
@@ -64,6 +67,7 @@ TABLE = (
     ("ideal", "ideal x", ".2f"),
     ("of_ideal", "of ideal", ".2f"),
     ("staleness", "mean staleness", ".2f"),
+    ("of_pipeline", "of pipeline", ".2f"),
 )
 
 
@@ -94,7 +98,13 @@ def _arm(model: str, arm: str, rows: list[dict], sequential: float, ideal: float
     step = _mean(rows, "step_s")
     tokens = sum(r["tokens"] for r in rows[SKIP:]) / sum(r["step_s"] for r in rows[SKIP:])
     staleness = [r["staleness"] for r in rows[SKIP:] if r.get("staleness") is not None]
+    stages = {}
+    if staleness:  # each stage's time as measured in this arm, both cores busy
+        sample = _mean(rows, "worker_sample_s")
+        train = statistics.fmean(r["step_s"] - r["rollout_wait_s"] for r in rows[SKIP:])
+        stages = {"sample_s": sample, "train_s": train, "of_pipeline": max(sample, train) / step}
     return {
+        **stages,
         "model": model,
         "arm": arm,
         "step_s": step,

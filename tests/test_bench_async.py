@@ -35,6 +35,11 @@ def test_arms_and_the_ideal_come_from_the_runs_themselves(tmp_path, capsys):
     assert first["ideal"] == pytest.approx(step / max(sample, step - sample))
     assert first["speedup"] == pytest.approx(1.0)
     assert rows["K=1, 2 processes"]["staleness"] == 1.0
+    k1_rows = [json.loads(line) for line in (runs / "tiny-k1" / "metrics.jsonl").open()]
+    kept = k1_rows[async_rl.SKIP :]
+    k1 = rows["K=1, 2 processes"]
+    assert k1["sample_s"] == pytest.approx(sum(r["worker_sample_s"] for r in kept) / len(kept))
+    assert k1["of_pipeline"] == pytest.approx(max(k1["sample_s"], k1["train_s"]) / k1["step_s"])
     assert rows["K=0, 2 threads"]["staleness"] is None
     k1 = [json.loads(line) for line in (runs / "tiny-k1" / "metrics.jsonl").open()]
     assert [r["weights_version"] for r in k1] == [0, 0, 1, 2]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,27 +119,35 @@ def send_batch(part: WorkerBatch, group: dist.ProcessGroup) -> None:
 
 class WeightPublisher:
     """Trainer 0's side of the weight broadcasts: each publish copies the parameters (in the
-    workers' dtype) and starts one broadcast per parameter without waiting for it; the next
-    publish (or close) first waits for the previous one, whose copies it then frees."""
+    workers' dtype) and starts one broadcast per parameter without waiting for it. A worker
+    takes a version only when a batch needs it, up to max_staleness + 1 publishes later, so
+    up to `depth` publishes stay in flight (each holding its copy of the weights) before a new
+    one waits for the oldest; in steady state none waits."""
 
-    def __init__(self, group: dist.ProcessGroup | None, dtype: torch.dtype):
-        self.group, self.dtype = group, dtype
-        self.pending: list[tuple[torch.Tensor, Any]] = []
+    def __init__(self, group: dist.ProcessGroup | None, dtype: torch.dtype, depth: int = 1):
+        self.group, self.dtype, self.depth = group, dtype, max(1, depth)
+        self.pending: deque[list[tuple[torch.Tensor, Any]]] = deque()
 
     def publish(self, parameters: Iterable[tuple[str, torch.Tensor]], is_main: bool) -> None:
         """Every trainer rank calls this with `full_parameters(policy)` (its gathers are
         collectives of the trainers); only the main rank broadcasts."""
-        self.wait()
+        while len(self.pending) >= self.depth:
+            self._wait_oldest()
+        started = []
         for _, tensor in parameters:
             if is_main:
                 copy = tensor.detach().to(dtype=self.dtype, copy=True).contiguous()
-                work = dist.broadcast(copy, src=0, group=self.group, async_op=True)
-                self.pending.append((copy, work))
+                started.append((copy, dist.broadcast(copy, src=0, group=self.group, async_op=True)))
+        self.pending.append(started)
+
+    def _wait_oldest(self) -> None:
+        for _, work in self.pending.popleft():
+            work.wait()
 
     def wait(self) -> None:
-        for _, work in self.pending:
-            work.wait()
-        self.pending.clear()
+        """Until every publish has been taken."""
+        while self.pending:
+            self._wait_oldest()
 
 
 def receive_weights(model: torch.nn.Module, group: dist.ProcessGroup) -> None:

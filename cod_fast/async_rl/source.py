@@ -44,7 +44,7 @@ class RemoteBatches:
     ):
         self.cfg, self.ctx, self.groups = cfg, ctx, groups
         self.rl_steps = cfg.train.steps
-        self.publisher = WeightPublisher(groups.weights, dtype)
+        self.publisher = WeightPublisher(groups.weights, dtype, cfg.train.max_staleness + 1)
         self.receiver: BatchReceiver | None = None
         self.first: int | None = None
         self.finished = False
