@@ -597,6 +597,10 @@ class RuntimeConfig(_Config):
     """Steps between log lines."""
     tensorboard: bool = False
     """Also write TensorBoard event files."""
+    keep_freed_memory: bool = True
+    """On the CPU, keep freed host memory in the process instead of returning it to the OS
+    after every step (glibc malloc settings, cod_fast.host_memory): repeated allocations stop
+    taking page faults. Linux with glibc only."""
     hsdp_replicate: int = 1
     """Replica groups of hybrid-sharded data parallelism (1 = plain FSDP)."""
     dist_timeout_s: float = 1800.0

@@ -66,6 +66,7 @@ from cod_fast.distributed import (
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
+from cod_fast.host_memory import keep_freed_memory
 from cod_fast.init_from import initial_weights
 from cod_fast.metrics import PositionSummary, summarize_rollouts
 from cod_fast.model import load_policy, master_dtype, resolve_dtype
@@ -196,6 +197,8 @@ class Trainer:
             one_rank_mesh=self.master_dtype != self.compute_dtype,
         )
         self.device = self.ctx.device
+        if cfg.runtime.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.run_dir = Path(cfg.runtime.run_dir)
         if self.ctx.is_main:  # the one writer of the run directory, from before its first write
             lock_run_dir(self.run_dir)

@@ -28,6 +28,7 @@ from cod_fast.config import Config
 from cod_fast.distributed import DistContext
 from cod_fast.envs import make_env
 from cod_fast.evaluate import run_eval_sampling
+from cod_fast.host_memory import keep_freed_memory
 from cod_fast.model import load_policy, resolve_dtype
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import build_samplers
@@ -54,6 +55,8 @@ class RolloutWorker:
             role="rollout",
             rollout_ranks=self.count,
         )
+        if cfg.runtime.keep_freed_memory and ctx.device.type == "cpu":
+            keep_freed_memory()
         envs = [make_env(e.name, e.setting, e.size) for e in cfg.rollout.environments]  # type: ignore[arg-type]
         settings = DriverSettings.from_config(cfg)
         torch.manual_seed(cfg.train.seed)
