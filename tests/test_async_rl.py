@@ -257,3 +257,34 @@ def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
     for r in rl:
         assert r["sampler_gap_mean"] < 1e-5 and r["sampler_gap_max"] < 1e-4
     assert (tmp_path / "run" / "sampler-model-rollout" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_hung_worker_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
+    """SIGSTOP to the rollout worker (it hangs): after runtime.rollout_timeout_s the trainer
+    checkpoints every step it trained and stops with one line naming the rank it waited for;
+    torchrun then ends the stopped worker."""
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    args += ["--standalone", "-m", "cod_fast.cli", "train", "--preset", "tiny-cpu"]
+    steps = ["train.steps=400", "runtime.checkpoint_every=5", "runtime.rollout_timeout_s=3"]
+    for override in [*SHORT, f"runtime.run_dir={run}", *steps, "runtime.rollout_ranks=1"]:
+        args += ["--set", override]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline:
+        log = run / "metrics.jsonl"
+        if log.exists() and len(log.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.2)
+    pid = _worker_pid(run)
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    said = proc.communicate(timeout=200)[0].decode()
+    assert proc.returncode != 0
+    logged = [r["step"] for r in metrics(run)]
+    assert len(logged) < 402 and latest_checkpoint(run).step == logged[-1]
+    lines = [x for x in said.splitlines() if x.startswith("error: no batch")]
+    assert len(lines) == 1, said[-3000:]
+    assert f"no batch {logged[-1] - 2} from rollout rank(s) [1] within 3 s" in lines[0]
