@@ -81,13 +81,40 @@ def test_config_refuses_staleness_without_workers_and_a_sync_interval_past_the_b
 SHORT = [*FAST, "train.steps=4", "runtime.checkpoint_every=0"]
 
 
-def _train(run_dir, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _command(run_dir, overrides, ranks: int) -> list[str]:
+    """`cod-fast train` of the tiny-cpu preset at SHORT's size under torchrun; `--flags` pass
+    as they are, the rest as --set."""
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
     args += ["--standalone", "-m", "cod_fast.cli", "train", "--preset", "tiny-cpu"]
     for override in [*SHORT, f"runtime.run_dir={run_dir}", *overrides]:
         args += [override] if override.startswith("--") else ["--set", override]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    return args
+
+
+def _train(run_dir, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    args = _command(run_dir, overrides, ranks)
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def _signal_worker(run_dir, overrides: list[str], after_steps: int, sig: int) -> tuple[int, str]:
+    """Start a two-process run, send `sig` to its rollout worker once `after_steps` steps are
+    logged, and wait for the run to end: (torchrun's exit code, its output)."""
+    out = subprocess.PIPE
+    proc = subprocess.Popen(_command(run_dir, overrides, 2), stdout=out, stderr=out, env=ENV)
+    deadline = time.monotonic() + 200
+    log = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if log.exists() and len(log.read_text().splitlines()) >= after_steps:
+            break
+        time.sleep(0.2)
+    pid = _worker_pid(run_dir)
+    assert pid is not None
+    os.kill(pid, sig)
+    stdout, stderr = proc.communicate(timeout=200)
+    return proc.returncode, (stdout + stderr).decode()
 
 
 WAITS = {"rollout_wait_s", "worker_sample_s"}
@@ -193,23 +220,8 @@ def test_a_killed_worker_stops_the_run_with_a_checkpoint_and_resume_matches_the_
     straight = _train(tmp_path / "straight", *steps)
     assert straight.returncode == 0, _said(straight)
     run = tmp_path / "killed"
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    args += ["--standalone", "-m", "cod_fast.cli", "train", "--preset", "tiny-cpu"]
-    for override in [*SHORT, f"runtime.run_dir={run}", *steps]:
-        args += ["--set", override]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline:
-        log = run / "metrics.jsonl"
-        if log.exists() and len(log.read_text().splitlines()) >= 4:
-            break
-        time.sleep(0.2)
-    pid = _worker_pid(run)
-    assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    said = proc.communicate(timeout=200)[0].decode()
-    assert proc.returncode != 0
+    code, said = _signal_worker(run, steps, 4, signal.SIGKILL)
+    assert code != 0
     logged = [r["step"] for r in metrics(run)]
     assert logged == list(range(1, len(logged) + 1)) and len(logged) < 16, said[-3000:]
     assert latest_checkpoint(run).step == len(logged)
@@ -265,24 +277,9 @@ def test_a_hung_worker_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
     checkpoints every step it trained and stops with one line naming the rank it waited for;
     torchrun then ends the stopped worker."""
     run = tmp_path / "run"
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    args += ["--standalone", "-m", "cod_fast.cli", "train", "--preset", "tiny-cpu"]
     steps = ["train.steps=400", "runtime.checkpoint_every=5", "runtime.rollout_timeout_s=3"]
-    for override in [*SHORT, f"runtime.run_dir={run}", *steps, "runtime.rollout_ranks=1"]:
-        args += ["--set", override]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline:
-        log = run / "metrics.jsonl"
-        if log.exists() and len(log.read_text().splitlines()) >= 6:
-            break
-        time.sleep(0.2)
-    pid = _worker_pid(run)
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-    said = proc.communicate(timeout=200)[0].decode()
-    assert proc.returncode != 0
+    code, said = _signal_worker(run, [*steps, "runtime.rollout_ranks=1"], 6, signal.SIGSTOP)
+    assert code != 0
     logged = [r["step"] for r in metrics(run)]
     assert len(logged) < 402 and latest_checkpoint(run).step == logged[-1]
     lines = [x for x in said.splitlines() if x.startswith("error: no batch")]
