@@ -4,7 +4,7 @@
 now, with the weights the step trains, then gathered so that every rank holds the whole batch.
 `cod_fast.async_rl.RemoteBatches` takes the same batches from rollout workers that sample ahead
 with weights at most `train.max_staleness` steps old (docs/async.md). The trainer calls the
-same four methods of either, and nothing else differs between the two loops.
+same methods of either (`BatchSource`), and nothing else differs between the two loops.
 """
 
 from __future__ import annotations

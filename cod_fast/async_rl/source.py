@@ -1,6 +1,6 @@
 """The trainer's batch source when rollout workers sample (docs/async.md).
 
-Same four methods as `cod_fast.batches.LocalBatches`. The first `next` tells the workers where
+A `cod_fast.batches.BatchSource`, like `LocalBatches`. The first `next` tells the workers where
 RL starts and broadcasts the weights they start from; every batch then comes from the workers'
 queue, tagged with the version it was sampled with, and after each update `trained` broadcasts
 the new weights when the staleness rule (cod_fast.async_rl.staleness) says a batch needs them.
