@@ -144,8 +144,12 @@ def test_zero_staleness_through_rollout_workers_equals_the_synchronous_run(tmp_p
     assert split.returncode == 0, _said(split)
     got = metrics(tmp_path / "async")
     assert [r["staleness"] for r in got if r["phase"] == "rl"] == [0, 0, 0, 0]
-    extra = {"staleness", "weights_version"}
-    untimed = [{k: v for k, v in r.items() if k not in extra} for r in _untimed(tmp_path / "async")]
+    for r in got[2:]:  # the sampler gap again under the batch's staleness
+        assert r["staleness0/sampler_gap_mean"] == r["sampler_gap_mean"]
+    untimed = [
+        {k: v for k, v in r.items() if not k.startswith(("staleness", "weights_version"))}
+        for r in _untimed(tmp_path / "async")
+    ]
     assert untimed == metrics(tmp_path / "sync")
     want, have = _weights(tmp_path / "sync"), _weights(tmp_path / "async")
     assert want.keys() == have.keys()
@@ -273,15 +277,15 @@ def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
 
 @pytest.mark.slow
 def test_a_hung_worker_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
-    """SIGSTOP to the rollout worker (it hangs): after runtime.rollout_timeout_s the trainer
+    """SIGSTOP to the rollout worker (it hangs): after runtime.rollout_timeout_s (10 s) the trainer
     checkpoints every step it trained and stops with one line naming the rank it waited for;
     torchrun then ends the stopped worker."""
     run = tmp_path / "run"
-    steps = ["train.steps=400", "runtime.checkpoint_every=5", "runtime.rollout_timeout_s=3"]
+    steps = ["train.steps=400", "runtime.checkpoint_every=5", "runtime.rollout_timeout_s=10"]
     code, said = _signal_worker(run, [*steps, "runtime.rollout_ranks=1"], 6, signal.SIGSTOP)
     assert code != 0
     logged = [r["step"] for r in metrics(run)]
-    assert len(logged) < 402 and latest_checkpoint(run).step == logged[-1]
+    assert len(logged) < 402 and latest_checkpoint(run).step == logged[-1], said[-3000:]
     lines = [x for x in said.splitlines() if x.startswith("error: no batch")]
     assert len(lines) == 1, said[-3000:]
-    assert f"no batch {logged[-1] - 2} from rollout rank(s) [1] within 3 s" in lines[0]
+    assert f"no batch {logged[-1] - 2} from rollout rank(s) [1] within 10 s" in lines[0]

@@ -84,8 +84,9 @@ class RolloutWorker:
         start: Start = send_start(None, self.groups.weights)
         if start.first_batch > start.last_batch:  # the run ended before RL
             return 0
-        if start.sampler_states is not None:
-            self.sampler.load_state_dict(start.sampler_states[self.index])
+        states = start.sampler_states
+        if states is not None and len(states) == self.count:  # else new streams (other R)
+            self.sampler.load_state_dict(states[self.index])
         self._take_weights(start.version)
         train, sent = self.cfg.train, 0
         for batch in range(start.first_batch, start.last_batch + 1):
