@@ -304,6 +304,8 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
         Console(stderr=True).print(
             f"error: {e}", style="red", markup=False, highlight=False, soft_wrap=True
         )
+        if _lost_workers(e) and trainer is not None:
+            _exit_without_groups(trainer)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         Console(stderr=True).print(
@@ -322,6 +324,25 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
         shutdown(trainer.ctx)
     if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
         raise typer.Exit(128 + summary["signal"])
+
+
+def _lost_workers(error: BaseException) -> bool:
+    from cod_fast.async_rl.channel import RolloutWorkerError
+
+    return isinstance(error, RolloutWorkerError)
+
+
+def _exit_without_groups(trainer) -> None:
+    """End a trainer whose rollout workers hung or died, once its checkpoint and logs are
+    written: leaving the process groups would wait for the lost peers (a receive they never
+    finish), so the process exits without the interpreter's exit handlers."""
+    import os
+    import sys
+
+    trainer.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
 
 
 def _rollout_worker_run(worker) -> None:

@@ -103,7 +103,8 @@ def _signal_worker(run_dir, overrides: list[str], after_steps: int, sig: int) ->
     """Start a two-process run, send `sig` to its rollout worker once `after_steps` steps are
     logged, and wait for the run to end: (torchrun's exit code, its output)."""
     out = subprocess.PIPE
-    proc = subprocess.Popen(_command(run_dir, overrides, 2), stdout=out, stderr=out, env=ENV)
+    args = _command(run_dir, overrides, 2)
+    proc = subprocess.Popen(args, stdout=out, stderr=out, env=ENV, start_new_session=True)
     deadline = time.monotonic() + 200
     log = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
@@ -113,7 +114,11 @@ def _signal_worker(run_dir, overrides: list[str], after_steps: int, sig: int) ->
     pid = _worker_pid(run_dir)
     assert pid is not None
     os.kill(pid, sig)
-    stdout, stderr = proc.communicate(timeout=200)
+    try:
+        stdout, stderr = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:  # leave no process behind, then fail
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return proc.returncode, (stdout + stderr).decode()
 
 
