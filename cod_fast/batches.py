@@ -32,6 +32,8 @@ class Batch:
     rollouts: list[Rollout]
     metrics: dict[str, Any] = field(default_factory=dict)
     """Logged with the step: the batch's staleness and waits (asynchronous sources)."""
+    replayed: list[Rollout] = field(default_factory=list)
+    """Earlier batches trained again with this one (cod_fast.replay); not in its metrics."""
 
 
 class BatchSource(Protocol):

@@ -385,7 +385,7 @@ def distill(
     from cod_fast.checkpoint import latest_checkpoint
     from cod_fast.distill import teacher_jobs
     from cod_fast.distributed import barrier, init_distributed
-    from cod_fast.envs import make_env
+    from cod_fast.envs import make_envs
     from cod_fast.export import export_model
     from cod_fast.rollout.driver import DriverSettings
     from cod_fast.warmstart import run_tokenizer
@@ -398,7 +398,7 @@ def distill(
     # main rank's files between runs; every run joins it.
     runtime = student.runtime
     ctx = init_distributed(runtime.device, runtime.hsdp_replicate, timeout_s=runtime.dist_timeout_s)
-    envs = [make_env(e.name, e.setting, e.size) for e in student.rollout.environments]  # type: ignore[arg-type]
+    envs = make_envs(student.rollout.environments)
     run_tokenizer(student, envs, DriverSettings.from_config(student), is_main=ctx.is_main)
     barrier(ctx)
     try:

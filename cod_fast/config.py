@@ -294,6 +294,9 @@ class EnvEntry(_Config):
     """null: rollout.env_size."""
     setting: Literal["train", "eval"] | None = None
     """null: rollout.env_setting."""
+    options: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (learn2ask: `cases`, a JSONL file of
+    your own cases)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -314,9 +317,12 @@ class RolloutConfig(_Config):
     or a path `package.module:Class` / `file.py:Class` (docs/environments.md); null when `envs`
     lists several."""
     envs: list[EnvEntry] = field(default_factory=list)
-    """Several environments in one run (name, weight, size, setting): each step's packs are
+    """Several environments in one run (name, weight, size, setting, options): each step's packs are
     drawn across them by weight, every pack from one environment; metrics, evaluations and plots
     report each. Empty: the one `env`."""
+    env_options: dict[str, str] = field(default_factory=dict)
+    """Keyword arguments of the one `env`'s constructor (learn2ask: `cases`, a JSONL file of
+    your own cases); an environment refuses an option it does not take, in one line."""
     env_setting: Literal["train", "eval"] = "train"
     """Which split of the environment's hidden rules the packs are drawn from."""
     env_size: Literal["tiny", "full"] = "tiny"
@@ -379,11 +385,23 @@ class RolloutConfig(_Config):
     prompt_style: Literal["full", "compact"] = "full"
     """Wording of the solve and update prompts: `full` for LLMs, `compact` (same structure, fewest
     words) for tiny models."""
+    judge: str = "rule"
+    """Who scores the environments whose outcome a judge reads (learn2ask; docs/environments.md):
+    `rule`, the environment's own rule; a Hugging Face model folder, run through the torch
+    sampler; or an OpenAI-compatible endpoint's base URL (`http://HOST:PORT/v1`; the key from
+    COD_FAST_JUDGE_API_KEY or OPENAI_API_KEY). A judge that fails scores the episode like an
+    environment error; a trajectory it flags as malformed is left out of its advantage group."""
+    judge_model: str | None = None
+    """The model name an endpoint judge is asked for; null: `default`."""
+    judge_timeout_s: float = 30.0
+    """How long one endpoint judge request may take."""
+    judge_max_tokens: int = 64
+    """The longest verdict a model or endpoint judge may write."""
 
     @property
     def environments(self) -> tuple[EnvEntry, ...]:
         """The run's environments with their size and setting resolved: `envs`, or `env`."""
-        entries = self.envs or [EnvEntry(name=self.env)]
+        entries = self.envs or [EnvEntry(name=self.env, options=self.env_options)]
         return tuple(
             dataclasses.replace(
                 e, size=e.size or self.env_size, setting=e.setting or self.env_setting
@@ -419,6 +437,17 @@ class RolloutConfig(_Config):
             self._above(0, "env_timeout_s")
         self._above(0, "temperature")
         self._require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
+        self._require(
+            not (self.envs and self.env_options),
+            "env_options",
+            "empty when rollout.envs lists the environments (give each its own options)",
+        )
+        from cod_fast.judges import judge_problem  # loads nothing: a cheap check of the spec
+
+        if problem := judge_problem(self.judge):
+            raise ConfigError("judge", problem)
+        self._above(0, "judge_timeout_s")
+        self._at_least(1, "judge_max_tokens")
         if self.eval_temperature is not None:
             self._above(0, "eval_temperature")
         memory_ok = 0 < self.vllm_gpu_memory_utilization < 1
@@ -530,6 +559,20 @@ class TrainConfig(_Config):
     docs/async.md)."""
     sync_interval: int = 1
     """RL steps between weight broadcasts to the rollout workers (at most max_staleness + 1)."""
+    replay_batches: int = 0
+    """Priority replay (Trinity-RFT's decay-limit randomisation; docs/async.md): each RL step
+    also trains on this many earlier batches from a pool, the highest priority first; 0: off."""
+    replay_use_limit: int = 2
+    """A batch leaves the replay pool once trained this many times (its fresh use included)."""
+    replay_decay: float = 1.0
+    """Replay priority = weights version - replay_decay x uses + noise: fresher and less used
+    batches first."""
+    replay_sigma: float = 0.0
+    """Standard deviation of the Gaussian noise on the replay priority (drawn from train.seed
+    and the step, so runs stay reproducible)."""
+    replay_max_age: int = 4
+    """A batch leaves the replay pool once its weights version is more than this many RL steps
+    behind the step's."""
     carry_optimizer: bool = False
     """RL continues the warm start's AdamW moments (at RL's learning rate) instead of starting a
     fresh optimizer."""
@@ -566,7 +609,14 @@ class TrainConfig(_Config):
         )
         dropout_ok = 0 <= self.warm_start_hint_dropout <= 1
         self._require(dropout_ok, "warm_start_hint_dropout", "a probability in [0, 1]")
-        self._at_least(0, "max_staleness")
+        self._at_least(0, "max_staleness", "replay_batches", "replay_max_age")
+        self._at_least(0, "replay_decay", "replay_sigma")
+        if self.replay_batches:
+            self._require(
+                self.replay_use_limit >= 2,
+                "replay_use_limit",
+                "an integer >= 2 with train.replay_batches > 0 (1 would never replay)",
+            )
         self._at_least(1, "sync_interval")
         self._require(
             self.sync_interval <= self.max_staleness + 1,

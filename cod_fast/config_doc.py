@@ -155,8 +155,15 @@ def _keys(cls: type, defaults: dict[str, Any], prefix: str) -> Iterator[KeyDoc]:
         if dataclasses.is_dataclass(item):
             # The fields of rollout.envs's items: Config() has no item, so their defaults are
             # the fields' own.
-            item_defaults = {g.name: g.default for g in dataclasses.fields(item)}  # type: ignore[arg-type]
+            item_defaults = {g.name: _field_default(g) for g in dataclasses.fields(item)}  # type: ignore[arg-type]
             yield from _keys(item, item_defaults, key + "[].")  # type: ignore[arg-type]
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """A field's default value (made by its factory where it has one)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
 
 
 def flat_values(cfg: Config) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cod_fast.config import Config
@@ -45,6 +45,8 @@ class EvalPlan:
     size: str = "full"
     packs: int = 32
     tasks: int = 4
+    options: dict[str, str] = field(default_factory=dict)
+    """The environments' constructor options (a run's `rollout.env_options`)."""
 
 
 def run_eval_plans(cfg: Config) -> list[EvalPlan]:
@@ -58,6 +60,7 @@ def run_eval_plans(cfg: Config) -> list[EvalPlan]:
             size=entry.size,  # type: ignore[arg-type]
             packs=rollout.eval_packs,
             tasks=rollout.tasks_per_pack,
+            options=entry.options,
         )
         for entry in rollout.environments
     ]
@@ -148,7 +151,7 @@ def evaluate(
     results: dict[str, dict] = {}
     by_env: dict[str, dict[str, PositionSummary]] = {}
     for name in plan.envs:
-        env = make_env(name, plan.setting, plan.size)  # type: ignore[arg-type]
+        env = make_env(name, plan.setting, plan.size, plan.options)  # type: ignore[arg-type]
         driver = RolloutDriver(env, sampler, chat, settings)
         for strategy in plan.strategies:
             packs = make_packs(pack_seeds("eval", plan.packs), plan.tasks, strategy)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ import torch
 from cod_fast.attention import resolve_attn_impl
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
 from cod_fast.distributed import mesh_layout, resolve_device
-from cod_fast.envs import env_class, make_env
+from cod_fast.envs import env_class, make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.init_from import check_source
 from cod_fast.model import (
@@ -303,7 +303,7 @@ def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
         return None
     if cfg.model.name_or_path != BUILTIN_TINY:
         return 1 + response, f"a prompt of at least 1 token + {response_parts}"
-    envs = [make_env(e.name, e.setting, e.size) for e in rollout.environments]  # type: ignore[arg-type]
+    envs = make_envs(rollout.environments)
     try:
         tokenizer = run_tokenizer(cfg, envs, DriverSettings.from_config(cfg), is_main=True)
     except (OSError, ValueError) as e:  # an unwritable run folder, a damaged saved tokenizer

@@ -142,5 +142,16 @@ class Rollout:
         """Update rewards h_0..h_{K-2}, by task index (empty in task-by-task mode)."""
         return [e.reward for e in sorted(self._of_kind("update"), key=lambda e: e.task_index)]
 
+    @property
+    def malformed(self) -> bool:
+        """Whether a judge flagged one of its episodes as ungradable (`info["malformed"]`,
+        cod_fast.envs.judge): such a rollout is left out of its pack's advantage group."""
+        return any(e.info.get("malformed") for e in self.episodes)
+
+    @property
+    def graded(self) -> bool:
+        """Whether every episode has its advantage (false for a rollout left out of its group)."""
+        return all(e.advantage is not None for e in self.episodes)
+
     def _of_kind(self, kind: EpisodeKind) -> list[Episode]:
         return [e for e in self.episodes if e.kind == kind]

@@ -63,7 +63,7 @@ from cod_fast.distributed import (
     resolve_device,
     shard_policy,
 )
-from cod_fast.envs import make_env
+from cod_fast.envs import make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
 from cod_fast.host_memory import keep_freed_memory
@@ -81,6 +81,7 @@ from cod_fast.packing import (
 )
 from cod_fast.policy import Policy
 from cod_fast.records import Rollout
+from cod_fast.replay import ReplayBatches
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import build_samplers
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
@@ -206,7 +207,7 @@ class Trainer:
             self.run_dir, enabled=self.ctx.is_main, tensorboard=cfg.runtime.tensorboard
         )
         self.mix = cfg.rollout.environments
-        self.envs = [make_env(e.name, e.setting, e.size) for e in self.mix]  # type: ignore[arg-type]
+        self.envs = make_envs(self.mix)
         self.settings = DriverSettings.from_config(cfg)
         self.warm_steps = cfg.train.warm_start_steps
         self.total_steps = self.warm_steps + cfg.train.steps
@@ -222,6 +223,8 @@ class Trainer:
         )
         self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
         self.batches = batches or LocalBatches(cfg, self.driver, self.ctx)
+        if cfg.train.replay_batches:
+            self.batches = ReplayBatches(self.batches, cfg.train)
         self.teachers = (
             Teachers(cfg.algo.teachers, cfg.model, self.device, self.tokenizer, self.impl)
             if cfg.algo.teachers
@@ -367,12 +370,20 @@ class Trainer:
             batch = self.batches.next(self.step - self.warm_steps, self.policy, self._stopping)
             t_sampled = time.perf_counter()
             rollouts = batch.rollouts
+            trained = rollouts + batch.replayed
             extra.update(batch.metrics)
-            extra["red_tau"] = assign_advantages(rollouts, self.cfg.algo)
+            extra["red_tau"] = assign_advantages(trained, self.cfg.algo)
             extra.update(credit_metrics(rollouts))
+            graded = [r for r in trained if r.graded]  # judge-flagged rollouts left out
+            extra["malformed_frac"] = _mean([float(r.malformed) for r in rollouts])
+            extra["ungraded_rollouts"] = len(trained) - len(graded)
             if hasattr(self.sampler, "sleep"):  # vLLM frees its memory for training
                 self.sampler.sleep()
-            update = self._update(rollouts, self.cfg.algo.loss, self.cfg.train.mini_batches)
+            update = (
+                self._update(graded, self.cfg.algo.loss, self.cfg.train.mini_batches)
+                if graded
+                else Update()
+            )
         t_trained = time.perf_counter()
         self.step += 1
         if self.step >= self.warm_steps:  # the next step (or the last eval) samples

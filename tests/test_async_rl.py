@@ -99,11 +99,14 @@ def _train(run_dir, *overrides: str, ranks: int = 2) -> subprocess.CompletedProc
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=ENV)
 
 
-def _signal_worker(run_dir, overrides: list[str], after_steps: int, sig: int) -> tuple[int, str]:
-    """Start a two-process run, send `sig` to its rollout worker once `after_steps` steps are
-    logged, and wait for the run to end: (torchrun's exit code, its output)."""
+def _signal_worker(
+    run_dir, overrides: list[str], after_steps: int, sig: int, ranks: int = 2
+) -> tuple[int, str]:
+    """Start a run of `ranks` processes, send `sig` to its rollout worker of RANK 1 once
+    `after_steps` steps are logged, and wait for the run to end: (torchrun's exit code, its
+    output)."""
     out = subprocess.PIPE
-    args = _command(run_dir, overrides, 2)
+    args = _command(run_dir, overrides, ranks)
     proc = subprocess.Popen(args, stdout=out, stderr=out, env=ENV, start_new_session=True)
     deadline = time.monotonic() + 200
     log = run_dir / "metrics.jsonl"
@@ -294,3 +297,62 @@ def test_a_hung_worker_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
     lines = [x for x in said.splitlines() if x.startswith("error: no batch")]
     assert len(lines) == 1, said[-3000:]
     assert f"no batch {logged[-1] - 2} from rollout rank(s) [1] within 10 s" in lines[0]
+
+
+FAILING_LAKE = """
+import os
+
+from cod_fast.envs.frozenlake import FrozenLakeEnv
+
+
+class FailingLake(FrozenLakeEnv):
+    '''FrozenLake whose tasks fail to start in the rollout worker (RANK 1) after 40 of them.'''
+
+    calls = 0
+
+    def task(self, pack_seed, task_index):
+        FailingLake.calls += 1
+        if os.environ.get("RANK") == "1" and FailingLake.calls > 40:
+            raise RuntimeError("simulated sampler failure")
+        return super().task(pack_seed, task_index)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_whose_sampling_raises_stops_the_run_in_one_line_each(tmp_path):
+    """The rollout worker's driver raises in its third batch (an environment whose tasks fail
+    to start, which the driver does not catch): the worker sends the error and stops; the
+    trainer stops after the two batches it trained, with a checkpoint of them; each process
+    says so in one line, the trainer's naming the worker, the batch and the cause."""
+    env_file = tmp_path / "failing_lake.py"
+    env_file.write_text(FAILING_LAKE)
+    run = tmp_path / "run"
+    overrides = [f"rollout.env={env_file}:FailingLake", "runtime.rollout_ranks=1"]
+    result = _train(run, *overrides, "train.steps=6", "runtime.checkpoint_every=1")
+    said = _said(result)
+    assert result.returncode != 0, said
+    trainer = [x for x in said.splitlines() if "rollout worker 0 failed on batch 2" in x]
+    assert len(trainer) == 1 and "simulated sampler failure" in trainer[0], said
+    worker = [x for x in said.splitlines() if x.startswith("error: rollout worker 0:")]
+    assert len(worker) == 1 and "simulated sampler failure" in worker[0], said
+    rl_steps = [r["phase_step"] for r in metrics(run) if r["phase"] == "rl"]
+    assert rl_steps == [1, 2] and latest_checkpoint(run).step == metrics(run)[-1]["step"], said
+
+
+@pytest.mark.slow
+def test_a_run_that_lost_one_of_two_workers_resumes_with_one(tmp_path):
+    """Two rollout workers (ranks 1 and 2 of 3), the first killed mid-run: the run stops with a
+    checkpoint; `--resume` with runtime.rollout_ranks=1 (two processes) samples every batch
+    with the one worker left (new sampler streams) and trains to the end, each step logged
+    once, in order."""
+    run = tmp_path / "run"
+    steps = ["train.steps=10", "runtime.checkpoint_every=1"]
+    code, said = _signal_worker(
+        run, [*steps, "runtime.rollout_ranks=2"], 4, signal.SIGKILL, ranks=3
+    )
+    assert code != 0
+    logged = [r["step"] for r in metrics(run)]
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) < 12, said[-3000:]
+    resumed = _train(run, *steps, "runtime.rollout_ranks=1", "--resume", ranks=2)
+    assert resumed.returncode == 0, _said(resumed)
+    assert [r["step"] for r in metrics(run)] == list(range(1, 13))

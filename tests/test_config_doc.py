@@ -93,7 +93,7 @@ def test_docs_come_from_the_source_under_each_field():
         ("rollout.torch_static_shapes", "bool | null"),
         ("rollout.sampler", "one of: auto, torch, vllm"),
         ("algo.loss.kl", "one of: k1, k2, k3, null"),
-        ("rollout.envs", "list of {name, weight, size, setting}"),
+        ("rollout.envs", "list of {name, weight, size, setting, options}"),
         ("model.tokenizer_path", "str | null"),
     ],
 )
@@ -114,7 +114,9 @@ def test_defaults_are_those_of_a_default_config():
     default, leaves = Config(), leaf_fields()
     for k in config_keys():
         if "[]" in k.key:
-            assert k.default == leaves[k.key].default, k.key
+            f = leaves[k.key]
+            made = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+            assert k.default == (f.default if made is None else made), k.key
         elif k.key != "rollout.envs":
             assert k.default == value_at(default, k.key), k.key
     assert {k.key: k.default for k in config_keys()}["rollout.envs"] == []

@@ -4,6 +4,11 @@ CoD: per pack, the G members' task rewards [G, K] and hint rewards [G, K-1] give
 (`cod_returns`), the group baseline gives advantages (`group_advantages`), and RED-weight, when
 on, re-weights the whole batch by response length. Task-by-task: each solve episode gets the
 GRPO advantage of its own reward.
+
+A rollout a judge flagged as malformed (`Rollout.malformed`) is left out of its pack's group, as
+Trinity-RFT drops the trajectories its judge flags: the baseline comes from the other members,
+and its episodes keep `advantage` None (`Rollout.graded` is false), so they are not trained. A
+pack left with fewer than two members has no baseline and is not trained at all.
 """
 
 from __future__ import annotations
@@ -43,7 +48,10 @@ def _episodes(rollout: Rollout, kind: str) -> list[Episode]:
 
 def assign_advantages(rollouts: list[Rollout], algo: AlgoConfig) -> float | None:
     """Set `advantage` on every episode of the batch; returns RED-weight's tau (None if unused)."""
-    for group in _by_pack(rollouts).values():
+    for members in _by_pack(rollouts).values():
+        group = [r for r in members if not r.malformed]
+        if len(group) < 2:
+            continue
         rewards = torch.tensor([r.task_rewards for r in group], dtype=torch.float64)
         if algo.algorithm == "task_by_task":
             targets = [(task_by_task_advantages(rewards), "solve")]

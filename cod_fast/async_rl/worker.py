@@ -26,7 +26,7 @@ from cod_fast.async_rl.staleness import next_broadcast, weights_version
 from cod_fast.batches import rl_packs
 from cod_fast.config import Config
 from cod_fast.distributed import DistContext
-from cod_fast.envs import make_env
+from cod_fast.envs import make_envs
 from cod_fast.evaluate import run_eval_sampling
 from cod_fast.host_memory import keep_freed_memory
 from cod_fast.model import load_policy, resolve_dtype
@@ -57,7 +57,7 @@ class RolloutWorker:
         )
         if cfg.runtime.keep_freed_memory and ctx.device.type == "cpu":
             keep_freed_memory()
-        envs = [make_env(e.name, e.setting, e.size) for e in cfg.rollout.environments]  # type: ignore[arg-type]
+        envs = make_envs(cfg.rollout.environments)
         settings = DriverSettings.from_config(cfg)
         torch.manual_seed(cfg.train.seed)
         tokenizer = run_tokenizer(cfg, envs, settings, is_main=False)

@@ -15,6 +15,7 @@ from cod_fast.envs.registry import (
     environment_problem,
     known_environments,
     make_env,
+    make_envs,
     register,
 )
 
@@ -30,5 +31,6 @@ __all__ = [
     "environment_problem",
     "known_environments",
     "make_env",
+    "make_envs",
     "register",
 ]

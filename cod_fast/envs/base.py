@@ -32,7 +32,10 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from cod_fast.envs.judge import JudgeQuery, Verdict
 
 Setting = Literal["train", "eval"]
 Size = Literal["tiny", "full"]
@@ -134,6 +137,16 @@ class Task(ABC):
     def success(self) -> bool | None:
         """Whether the task was solved, for environments with a notion of success."""
         return None
+
+    def judge_query(self) -> JudgeQuery | None:
+        """What a judge reads about the finished episode (cod_fast.envs.judge); None for an
+        environment that scores itself (the default). A task that returns a query has its reward
+        set by `judged_reward` from whichever judge the run uses."""
+        return None
+
+    def judged_reward(self, verdict: Verdict) -> float:
+        """The reward the judge's verdict gives (for a `RuleJudge`, `reward` itself)."""
+        raise NotImplementedError(f"{type(self).__qualname__} is not scored by a judge")
 
 
 class Agent(ABC):

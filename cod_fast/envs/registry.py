@@ -17,12 +17,15 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from cod_fast.config import clipped, shown
 from cod_fast.envs.base import Environment, Setting, Size, derive_seed
+
+if TYPE_CHECKING:
+    from cod_fast.config import EnvEntry
 
 ENTRY_POINT_GROUP = "cod_fast.environments"
 
@@ -97,14 +100,35 @@ def env_class(name: str) -> type[Environment]:
     return _checked(loaded, what)
 
 
-def make_env(name: str, setting: Setting = "train", size: Size = "full") -> Environment:
-    """The environment `name` in a train or eval setting, at full or tiny size. It answers to
-    `name` (its `name` attribute): a run names a pack's environment, its metrics and its records
-    by the name in its config, and a path or a registered name may differ from the class's own."""
-    env = env_class(name)(setting=setting, size=size)
+def make_env(
+    name: str,
+    setting: Setting = "train",
+    size: Size = "full",
+    options: dict[str, str] | None = None,
+) -> Environment:
+    """The environment `name` in a train or eval setting, at full or tiny size, with `options`
+    as keyword arguments of its constructor (an option it does not take is a one-line
+    ValueError). It answers to `name` (its `name` attribute): a run names a pack's environment,
+    its metrics and its records by the name in its config, and a path or a registered name may
+    differ from the class's own."""
+    cls = env_class(name)
+    options = options or {}
+    taken = [p for p in inspect.signature(cls).parameters if p not in ("setting", "size")]
+    if unknown := sorted(set(options) - set(taken)):
+        raise ValueError(
+            f"environment {name} takes no option {', '.join(map(repr, unknown))}; it takes "
+            f"{', '.join(map(repr, taken)) or 'none'} (rollout.env_options or the options of an "
+            "entry of rollout.envs)"
+        )
+    env = cls(setting=setting, size=size, **options)
     if getattr(env, "name", None) != name:
         env.name = name  # type: ignore[misc]  # this instance's, the class keeps its own
     return env
+
+
+def make_envs(entries: Sequence[EnvEntry]) -> list[Environment]:
+    """The environments of a run (`rollout.environments`: sizes and settings resolved)."""
+    return [make_env(e.name, e.setting, e.size, e.options) for e in entries]  # type: ignore[arg-type]
 
 
 def known_environments() -> list[str]:

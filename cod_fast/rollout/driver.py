@@ -142,6 +142,15 @@ class DriverSettings:
     """Subtracted from the reward of an episode with a response cut at the length limit."""
     prompt_style: Literal["full", "compact"] = "full"
     """The wording of the prompts (cod_fast.rollout.prompts); `compact` suits tiny models."""
+    judge: str = "rule"
+    """Who scores the environments that ask for a judge (`Task.judge_query`; cod_fast.judges):
+    `rule`, a model folder, or an OpenAI-compatible endpoint's URL."""
+    judge_model: str | None = None
+    """The model name an endpoint judge is asked for."""
+    judge_timeout_s: float = 30.0
+    """How long one endpoint judge request may take."""
+    judge_max_tokens: int = 64
+    """The longest verdict a model or endpoint judge may write."""
     hint_source: HintSource = "own"
     """Where the hints before each task k > 0 come from (`cod` mode): `own`, the model's update
     episodes; `oracle`, the hidden rule in the environment's hint format; `explorer`, what the
@@ -164,6 +173,10 @@ class DriverSettings:
             env_timeout_s=rollout.env_timeout_s,
             length_penalty=rollout.length_penalty,
             prompt_style=rollout.prompt_style,
+            judge=rollout.judge,
+            judge_model=rollout.judge_model,
+            judge_timeout_s=rollout.judge_timeout_s,
+            judge_max_tokens=rollout.judge_max_tokens,
         )
 
 
@@ -227,6 +240,14 @@ class RolloutDriver:
         self.prompts = PROMPT_STYLES[settings.prompt_style]
         self._worker = _EnvWorker()
         check_hint_source(settings, envs)
+        from cod_fast.judges import make_judge  # a model judge imports the sampler
+
+        self.judge = make_judge(
+            settings.judge,
+            model=settings.judge_model,
+            timeout_s=settings.judge_timeout_s,
+            max_tokens=settings.judge_max_tokens,
+        )
 
     def env_of(self, spec: PackSpec) -> Environment:
         """The environment a pack is played in."""
@@ -359,13 +380,13 @@ class RolloutDriver:
 
     def _end_solve(self, run: RunState) -> None:
         task = run.task
+        info = {"task": run.spec.task_indices[run.position], "success": task.success}
         if run.error is None:
-            reward = self._safe(run, lambda: float(task.reward))
+            reward = self._scored(run, task, info)
             if run.error is None and not math.isfinite(reward):
                 run.error = f"ValueError: the environment gave a non-finite reward {reward}"
         if run.error is not None:
             reward = self.settings.error_reward
-        info = {"task": run.spec.task_indices[run.position], "success": task.success}
         if run.error:
             info["error"] = run.error
         run.episodes.append(self._episode(run, "solve", reward, info))
@@ -382,6 +403,25 @@ class RolloutDriver:
             run.hints = self._given_hints(run)
         run.position += 1
         self._start_solve(run)
+
+    def _scored(self, run: RunState, task: Task, info: dict) -> float | None:
+        """The finished task's reward: its own, or from the run's judge when the task asks for
+        one (a flagged verdict marks the episode `malformed`). A judge that fails ends the
+        episode as an environment error does (the judge keeps its own timeout: an endpoint or a
+        model may take longer than an environment call is allowed)."""
+        query = self._safe(run, task.judge_query)
+        if run.error is not None or query is None:
+            return None if run.error else self._safe(run, lambda: float(task.reward))
+        try:
+            verdict = self.judge.score(query)
+        except Exception as exc:  # a judge is a remote or a model: record, go on
+            run.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            return None
+        if verdict.malformed:
+            info["malformed"] = True
+        if self.judge.name != "rule":
+            info["judge"] = verdict.reason
+        return self._safe(run, lambda: float(task.judged_reward(verdict)))
 
     @property
     def _carries_hints(self) -> bool:

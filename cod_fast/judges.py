@@ -1,0 +1,246 @@
+"""Judges that read: a Hugging Face model folder or an OpenAI-compatible endpoint scores episodes.
+
+Some environments are best scored by a reader rather than a rule (a free-text diagnosis, an
+essay). Such an environment hands each finished solve episode to a judge as a `JudgeQuery`
+(cod_fast.envs.judge), and the judge answers with a `Verdict`. Three back ends:
+
+- `rule`: the environment's own rule-based verdict (`RuleJudge`, no reader at all);
+- a model folder: a local causal LM run in this process through the trainer's own sampler,
+  near-greedy, in float32 on the CPU (`ModelJudge`);
+- an `http(s)://` URL: an OpenAI-compatible chat-completions endpoint such as vLLM's or
+  llama.cpp's server (`EndpointJudge`), standard library only.
+
+The model and the endpoint read the same (system, user) prompt, `judge_prompt`, and their reply
+is read by `parse_verdict`, so a judge can move from one back end to the other unchanged. A judge
+that gives no verdict raises `JudgeError` with one line naming the cause and the fix; the rollout
+driver then scores the episode like an environment error.
+
+This module sits above the environments: the rollout driver uses it, and the environment layer
+knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+from cod_fast.envs.judge import (
+    Judge,
+    JudgeError,
+    JudgeQuery,
+    RuleJudge,
+    Verdict,
+    judge_prompt,
+    parse_verdict,
+)
+
+API_KEY_VARS = ("COD_FAST_JUDGE_API_KEY", "OPENAI_API_KEY")
+"""Where an endpoint judge's API key comes from, the first one set winning; sent as a bearer
+token, never shown in a message."""
+NEAR_GREEDY = 1e-3
+"""The model judge's temperature: the sampler divides the logits by it, so 0 is refused; at
+1e-3 a token needs a logit within ~0.01 of the best one to have any real chance."""
+SHOWN_CHARS = 120
+"""How much of a server's reply an error message quotes."""
+SPECS = "'rule', the http(s):// URL of an OpenAI-compatible endpoint, or a local model folder"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def judge_problem(spec: str) -> str | None:
+    """Why `spec` names no usable judge (one line), or None. Cheap enough for a config check:
+    it loads no model and sends no request, so a folder with config.json may still fail to load
+    (its tokenizer, its sizes) and a URL may still find no server."""
+    if not spec.strip():
+        return f"an empty judge; write {SPECS}"
+    if spec == "rule":
+        return None
+    if _is_url(spec):
+        try:
+            parts = urllib.parse.urlsplit(spec)
+            host, _ = parts.hostname, parts.port  # reading a port that is no number raises
+        except ValueError as e:
+            return f"{spec}: not a URL ({_one_line(e)}); write it as http://HOST:PORT/v1"
+        if not host:
+            return f"{spec}: a URL without a host; write it as http://HOST:PORT/v1"
+        return None
+    path = Path(spec)
+    if not path.is_dir():
+        what = "a file" if path.exists() else "no such folder"
+        return f"{spec}: {what}; a judge is {SPECS}"
+    if not (path / "config.json").is_file():
+        return (
+            f"{spec}: a folder without config.json; expected a model folder as `cod-fast export` "
+            "or a model's save_pretrained writes it"
+        )
+    return None
+
+
+class ModelJudge(Judge):
+    """A causal LM folder that reads `judge_prompt` in its chat format and answers near-greedily
+    (at most `max_tokens` tokens). Loaded once, in float32 on the CPU, with the loader every
+    model of a run goes through (cod_fast.model.load_policy); `close` frees it."""
+
+    name = "model"
+
+    def __init__(self, path: str, *, max_tokens: int = 64, seed: int = 0):
+        if problem := judge_problem(path):
+            raise JudgeError(f"judge model {problem}; fix rollout.judge")
+        # Imported here: the rule and endpoint judges, and config checks, need no torch.
+        from cod_fast.config import ModelConfig
+        from cod_fast.model import load_policy
+        from cod_fast.rollout.chat import ChatFormat
+        from cod_fast.rollout.torch_sampler import TorchSampler
+
+        cfg = ModelConfig(name_or_path=path, dtype="float32")
+        try:
+            model, tokenizer = load_policy(cfg, "cpu")
+            self.chat = ChatFormat.for_model(tokenizer, cfg)
+        except (ValueError, OSError) as e:  # ModelFolderError, ConfigError, unreadable files
+            raise JudgeError(
+                f"judge model {path} does not load ({_one_line(e)}); fix the folder or "
+                "rollout.judge"
+            ) from None
+        self.path, self.max_tokens, self.seed = path, max_tokens, seed
+        # A judge never trains: frozen weights, so no call can build a graph over them.
+        self.model = model.eval().requires_grad_(False)
+        self.sampler = TorchSampler(self.model, tokenizer, temperature=NEAR_GREEDY, seed=seed)
+
+    def score(self, query: JudgeQuery) -> Verdict:
+        import torch
+
+        if self.sampler is None:
+            raise JudgeError(f"judge model {self.path} was closed; make a new judge to score")
+        prompt = self.chat.first_prompt(*judge_prompt(query))
+        with torch.inference_mode():
+            # Keyed by the seed alone: a query gets the same reply whatever was judged before.
+            [sample] = self.sampler.generate([prompt], [self.max_tokens], keys=[self.seed])
+        reply = self.chat.decode(sample.token_ids)
+        try:
+            return parse_verdict(reply)
+        except JudgeError as e:
+            raise JudgeError(
+                f"judge model {self.path}: unreadable reply ({e}); use a model that follows the "
+                "prompt's <score>S</score> form, or raise rollout.judge_max_tokens"
+            ) from None
+
+    def close(self) -> None:
+        self.model = self.sampler = None
+
+
+class EndpointJudge(Judge):
+    """An OpenAI-compatible server: one POST to `{url}/chat/completions` per episode, with the
+    `judge_prompt` messages, temperature 0 and `max_tokens`; the reply is
+    `choices[0].message.content`. Each connect and each read waits at most `timeout_s`."""
+
+    name = "endpoint"
+
+    def __init__(
+        self, url: str, model: str = "default", *, timeout_s: float = 30.0, max_tokens: int = 64
+    ):
+        problem = judge_problem(url) if _is_url(url) else f"{url}: not an http(s):// URL"
+        if problem:
+            raise JudgeError(f"judge endpoint {problem}; fix rollout.judge")
+        self.url = url.rstrip("/") + "/chat/completions"
+        self.model, self.timeout_s, self.max_tokens = model, timeout_s, max_tokens
+        self._key = next((os.environ[v] for v in API_KEY_VARS if os.environ.get(v)), None)
+
+    def score(self, query: JudgeQuery) -> Verdict:
+        system, user = judge_prompt(query)
+        body = {
+            "model": self.model,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "temperature": 0,
+            "max_tokens": self.max_tokens,
+        }
+        headers = {"Content-Type": "application/json"}
+        if self._key:
+            headers["Authorization"] = f"Bearer {self._key}"
+        request = urllib.request.Request(
+            self.url, data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as e:  # before URLError, its base class
+            raise self._error(
+                f"HTTP {e.code} {_one_line(e.reason)} ({self._shown(e.read())})",
+                f"check the server's log and rollout.judge_model ({self.model!r})",
+            ) from None
+        except (TimeoutError, urllib.error.URLError) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError):
+                raise self._error(
+                    f"no answer within {self.timeout_s:g} s",
+                    "is the server overloaded? raise rollout.judge_timeout_s",
+                ) from None
+            raise self._error(
+                f"unreachable ({_one_line(reason)})", "is the server running? check rollout.judge"
+            ) from None
+        except (OSError, http.client.HTTPException) as e:  # a connection cut mid-reply
+            raise self._error(
+                f"the connection failed ({type(e).__name__}: {_one_line(e)})",
+                "is the server running? check rollout.judge",
+            ) from None
+        try:
+            reply = json.loads(raw)["choices"][0]["message"]["content"]
+        except ValueError:  # not UTF-8, not JSON
+            raise self._error(
+                f"the reply is not JSON ({self._shown(raw)})",
+                "is this an OpenAI-compatible endpoint? check rollout.judge",
+            ) from None
+        except (KeyError, IndexError, TypeError):
+            raise self._error(
+                f"the reply has no choices[0].message.content ({self._shown(raw)})",
+                "is this an OpenAI-compatible chat-completions endpoint? check rollout.judge",
+            ) from None
+        if not isinstance(reply, str):
+            raise self._error(
+                f"choices[0].message.content is {type(reply).__name__}, not text",
+                "check the server's log and rollout.judge_model",
+            )
+        try:
+            return parse_verdict(reply)
+        except JudgeError as e:
+            raise self._error(
+                f"unreadable reply ({e})",
+                "use a model that follows the prompt's <score>S</score>, or raise "
+                "rollout.judge_max_tokens",
+            ) from None
+
+    def _shown(self, raw: bytes) -> str:
+        """The start of a server's reply, on one line, with the API key blanked out (a server
+        may echo the request's headers)."""
+        text = _one_line(raw.decode("utf-8", errors="replace"))
+        if self._key:
+            text = text.replace(self._key, "***")
+        return repr(text[:SHOWN_CHARS]) if text else "empty"
+
+    def _error(self, cause: str, fix: str) -> JudgeError:
+        return JudgeError(f"judge endpoint {self.url}: {cause}; {fix}")
+
+
+def make_judge(
+    spec: str, *, model: str | None = None, timeout_s: float = 30.0, max_tokens: int = 64
+) -> Judge:
+    """The judge `spec` names: `rule`, an http(s):// endpoint URL (serving `model`, default
+    "default"), else a model folder. JudgeError, in one line, for a spec `judge_problem`
+    refuses or a model folder that does not load."""
+    if problem := judge_problem(spec):
+        raise JudgeError(f"rollout.judge: {problem}")
+    if spec == "rule":
+        return RuleJudge()
+    if _is_url(spec):
+        return EndpointJudge(spec, model or "default", timeout_s=timeout_s, max_tokens=max_tokens)
+    return ModelJudge(spec, max_tokens=max_tokens)

@@ -1,0 +1,239 @@
+"""Judged environments in the rollout path: the driver asks the run's judge for the reward of a
+task that offers a `JudgeQuery`, a judge's failure is an environment error of one line, and a
+rollout the judge flags as malformed is left out of its pack's advantage group (cod_fast.algo.assign)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cod_fast.algo.advantages import cod_returns, group_advantages
+from cod_fast.algo.assign import assign_advantages
+from cod_fast.config import AlgoConfig, ConfigError, EnvEntry, RolloutConfig
+from cod_fast.envs import make_env, register
+from cod_fast.envs.base import Environment, Task
+from cod_fast.envs.judge import Judge, JudgeError, JudgeQuery, Verdict
+from cod_fast.envs.packs import make_packs, pack_seeds
+from cod_fast.records import Episode, Rollout, Turn
+from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.driver import DriverSettings, RolloutDriver
+from cod_fast.rollout.sampler import TextPolicySampler
+from tests.rollout_helpers import CHATML, GuessEnv, GuessTask, char_tokenizer, guess_policy
+
+
+class JudgedGuessTask(GuessTask):
+    """The guessing task, scored by a judge: the rule says 1 when solved; the reward is the
+    verdict's score minus 0.1 per guess after the first."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.guesses: list[str] = []
+
+    def step(self, action):
+        self.guesses.append(action)
+        return super().step(action)
+
+    def judge_query(self) -> JudgeQuery | None:
+        if not self.guesses:
+            return None
+        return JudgeQuery(
+            env="judged_guess",
+            rubric="Score 1 if the last guess is the secret.",
+            reference=f"secret {self.secret}",
+            transcript=" ".join(self.guesses),
+            answer=self.guesses[-1],
+            rule=Verdict(1.0 if self.solved else 0.0),
+        )
+
+    def judged_reward(self, verdict: Verdict) -> float:
+        return verdict.score - 0.1 * (len(self.guesses) - 1)
+
+
+class JudgedGuessEnv(GuessEnv):
+    name = "judged_guess"
+
+    def task(self, pack_seed: int, task_index: int) -> JudgedGuessTask:
+        plain = super().task(pack_seed, task_index)
+        return JudgedGuessTask(pack_seed, task_index, plain.secret, plain.fail_on_step)
+
+
+class ScriptedJudge(Judge):
+    """Flags every query whose answer is in `flag`, raises for answers in `fail`, else the
+    rule's verdict; remembers what it was asked."""
+
+    name = "scripted"
+
+    def __init__(self, flag=(), fail=()):
+        self.flag, self.fail, self.asked = set(flag), set(fail), []
+
+    def score(self, query: JudgeQuery) -> Verdict:
+        self.asked.append(query)
+        if query.answer.strip() in self.fail:
+            raise JudgeError("the endpoint answered 502\nBad Gateway")
+        if query.answer.strip() in self.flag:
+            return Verdict(0.0, malformed=True, reason="unreadable")
+        return query.rule
+
+
+def _roll(env: Environment, judge: Judge | None = None, group: int = 3, packs: int = 4):
+    chat = ChatFormat(char_tokenizer(CHATML))
+    driver = RolloutDriver(
+        env, TextPolicySampler(guess_policy, chat), chat, DriverSettings(max_response_tokens=200)
+    )
+    if judge is not None:
+        driver.judge = judge
+    specs = make_packs(pack_seeds("judged", packs), 3)
+    return driver.run(specs, group_size=group)
+
+
+def test_rule_judge_scores_like_the_task_itself():
+    """With the default (rule) judge a judged task's reward is `judged_reward(rule verdict)`:
+    the plain game's reward minus 0.1 per extra guess, episode by episode."""
+    plain, judged = _roll(GuessEnv()), _roll(JudgedGuessEnv())
+    for a, b in zip(plain, judged, strict=True):
+        for ea, eb in zip(a.episodes, b.episodes, strict=True):
+            if ea.kind == "solve":
+                extra = 0.1 * (len(ea.turns) - 1)
+                assert eb.reward == pytest.approx(ea.reward - extra)
+                assert "malformed" not in eb.info and "judge" not in eb.info
+            else:
+                assert eb.reward == ea.reward
+
+
+def test_judge_flags_and_failures_land_on_their_episode():
+    """A verdict flagged malformed marks that episode (`info["malformed"]`, the rollout's
+    `malformed`) with the judge's reason; a judge that raises ends the episode like an
+    environment error: reward `error_reward`, the error one line naming JudgeError."""
+    judge = ScriptedJudge(flag={"4"}, fail={"2"})
+    rollouts = _roll(JudgedGuessEnv(), judge)
+    assert judge.asked, "the driver never asked the judge"
+    flagged = failed = 0
+    for rollout in rollouts:
+        for e in (e for e in rollout.episodes if e.kind == "solve"):
+            last = judge_answer(e)
+            if last == "4":
+                assert e.info["malformed"] is True and e.info["judge"] == "unreadable"
+                flagged += 1
+            elif last == "2":
+                assert e.reward == 0.0 and e.info["error"].startswith("JudgeError: ")
+                assert "\n" not in e.info["error"] and "502 Bad Gateway" in e.info["error"]
+                failed += 1
+            else:
+                assert "malformed" not in e.info and "error" not in e.info
+        assert rollout.malformed == any(e.info.get("malformed") for e in rollout.episodes)
+    assert flagged and failed
+
+
+def judge_answer(episode: Episode) -> str:
+    """The last guess of a solve episode (the chat format decodes one digit per response)."""
+    chat = ChatFormat(char_tokenizer(CHATML))
+    return chat.decode(episode.turns[-1].response_ids).strip()
+
+
+def _synthetic(group: int, tasks: int, rng: random.Random, flags: list[bool]) -> list[Rollout]:
+    turn = Turn(prompt_ids=[1], response_ids=[2, 3], response_logprobs=[-0.1, -0.2])
+    rollouts = []
+    for g in range(group):
+        episodes = []
+        for k in range(tasks):
+            info = {"malformed": True} if flags[g] and k == tasks - 1 else {}
+            episodes.append(
+                Episode(
+                    pack_id=7,
+                    member=g,
+                    kind="solve",
+                    task_index=k,
+                    turns=[turn],
+                    reward=rng.uniform(-1, 1),
+                    info=info,
+                )
+            )
+            if k < tasks - 1:
+                episodes.append(
+                    Episode(
+                        pack_id=7,
+                        member=g,
+                        kind="update",
+                        task_index=k,
+                        turns=[turn],
+                        reward=rng.choice([0.0, -0.1]),
+                    )
+                )
+        rollouts.append(Rollout(pack_id=7, member=g, episodes=episodes))
+    return rollouts
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("std_norm", [False, True])
+def test_malformed_rollouts_leave_the_group(seed, std_norm):
+    """A flagged rollout gets no advantage on any episode, and the others' advantages are the
+    CoD advantages of the group without it (float64, computed afresh over the kept members);
+    a pack left with one member is not trained at all."""
+    rng = random.Random(seed)
+    group, tasks = rng.randint(3, 7), rng.randint(2, 5)
+    flags = [rng.random() < 0.4 for _ in range(group)]
+    rollouts = _synthetic(group, tasks, rng, flags)
+    algo = AlgoConfig(std_norm=std_norm, red_weight=False)
+    assign_advantages(rollouts, algo)
+    kept = [r for r, f in zip(rollouts, flags, strict=True) if not f]
+    for rollout, flagged in zip(rollouts, flags, strict=True):
+        assert rollout.graded == (not flagged and len(kept) >= 2)
+    if len(kept) < 2:
+        assert all(e.advantage is None for r in rollouts for e in r.episodes)
+        return
+    r = torch.tensor([x.task_rewards for x in kept], dtype=torch.float64)
+    h = torch.tensor([x.hint_rewards for x in kept], dtype=torch.float64)
+    solve, update = cod_returns(r, h)
+    expected = {
+        "solve": group_advantages(solve, std_norm),
+        "update": group_advantages(update, std_norm),
+    }
+    for g, rollout in enumerate(kept):
+        for e in rollout.episodes:
+            assert e.advantage == pytest.approx(float(expected[e.kind][g, e.task_index]), abs=1e-12)
+
+
+@register("optioned_guess")
+class OptionedGuessEnv(Environment):
+    """A plugin environment with a constructor option."""
+
+    name = "optioned_guess"
+    description = "guess with a word"
+
+    def __init__(self, setting="train", size="full", word: str = "none"):
+        super().__init__(setting, size)
+        self.word = word
+
+    def task(self, pack_seed: int, task_index: int) -> Task:
+        return GuessEnv().task(pack_seed, task_index)
+
+
+def test_environment_options_reach_the_constructor():
+    """`rollout.env_options` become keyword arguments of the environment's constructor through
+    the run's environments; an option the environment does not take is one line naming it and
+    the ones it takes; options beside `rollout.envs` are refused."""
+    cfg = RolloutConfig(env="optioned_guess", env_options={"word": "cat"})
+    (entry,) = cfg.environments
+    assert make_env(entry.name, entry.setting, entry.size, entry.options).word == "cat"
+    with pytest.raises(ValueError, match=r"takes no option 'colour'; it takes 'word'") as info:
+        make_env("optioned_guess", options={"colour": "red"})
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="takes no option 'word'; it takes none"):
+        make_env("frozenlake", options={"word": "x"})
+    with pytest.raises(ConfigError, match="env_options"):
+        RolloutConfig(env=None, envs=[EnvEntry(name="frozenlake")], env_options={"word": "x"})
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [("", "judge"), ("http://", "host"), ("/no/such/folder", "no/such/folder")],
+)
+def test_config_refuses_an_unusable_judge(spec, words):
+    """`rollout.judge` is checked when the config is built (nothing is loaded or requested):
+    an empty spec, a URL without a host and a missing folder are one-line errors naming the
+    key."""
+    with pytest.raises(ConfigError, match=r"^judge: ") as info:
+        RolloutConfig(judge=spec)
+    assert words in str(info.value) and "\n" not in str(info.value)
