@@ -35,14 +35,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.rl_effect import evaluations, fmt_spread, summarize_arms
+from cod_fast.bench.rl_effect import (
+    PRESET,
+    Arm,
+    fmt_spread,
+    run_arms,
+    summarize_arms,
+    train_process,
+    warm_checkpoint,
+)
 from cod_fast.bench.train import _append_csv, _print_table, run_meta
 
 MODELS = {
@@ -74,18 +79,8 @@ TABLE = (
 def _train(run_dir: Path, overrides: list[str], *, threads: int, ranks: int = 1) -> list[dict]:
     """One `cod-fast train --preset tiny-cpu` (under torchrun for `ranks` > 1) into `run_dir`;
     its RL steps' metrics records. Output to run_dir.log."""
-    launcher = [sys.executable, "-m"]
-    if ranks > 1:
-        launcher += ["torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone", "-m"]
-    cmd = [*launcher, "cod_fast.cli", "train", "--preset", "tiny-cpu"]
-    for override in [*overrides, f"runtime.run_dir={run_dir}"]:
-        cmd += ["--set", override]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     log = run_dir.with_suffix(".log")
-    with log.open("w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    if code != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {log}")
+    train_process(PRESET, run_dir, overrides, log, ranks=ranks, threads=threads)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if r["phase"] == "rl"]
 
@@ -159,31 +154,21 @@ def learn(args) -> dict:
     """K=0 against K=`--learn-staleness` from one checkpoint over `--learn-seeds`."""
     runs = Path(args.out) / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    start = Path(args.learn_from) if args.learn_from else runs / "learn-warm"
-    if not (start / "checkpoints" / "latest").exists():
-        warm = ["train.steps=0", f"train.warm_start_steps={args.learn_warm_steps}"]
-        _train(start, [*warm, "rollout.eval_packs=0", *args.set], threads=2)
+    if args.learn_from:
+        start = Path(args.learn_from)
+    else:
+        start = warm_checkpoint(runs / "learn-warm", args.learn_warm_steps, args.set, threads=2)
     k = args.learn_staleness
-    names = ("K=0", f"K={k}")
-    arms: dict[str, list[dict]] = {name: [] for name in names}
-    for seed in args.learn_seeds:
-        for name in names:
-            run_dir = runs / f"learn-{name.replace('=', '')}-seed{seed}"
-            if "end" not in evaluations(run_dir):
-                overrides = [
-                    "train.warm_start_steps=0",
-                    f"train.steps={args.learn_steps}",
-                    f"train.seed={seed}",
-                    f"train.init_from={start}",
-                    f"rollout.eval_packs={args.eval_packs}",
-                    *args.set,
-                ]
-                if name != "K=0":
-                    overrides += ["runtime.rollout_ranks=1", f"train.max_staleness={k}"]
-                _train(run_dir, overrides, threads=1, ranks=1 if name == "K=0" else 2)
-            evals = evaluations(run_dir)
-            arms[name].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
-    return {"start": str(start), **summarize_arms(arms, pair=(names[1], names[0]))}
+    arms = {
+        "K=0": Arm("learn-K0", threads=1),
+        f"K={k}": Arm(
+            f"learn-K{k}", ("runtime.rollout_ranks=1", f"train.max_staleness={k}"), 2, threads=1
+        ),
+    }
+    rows = run_arms(
+        start, arms, args.learn_seeds, args.learn_steps, args.eval_packs, args.set, runs
+    )
+    return {"start": str(start), **summarize_arms(rows, pair=(f"K={k}", "K=0"))}
 
 
 LEARN_TABLE = (

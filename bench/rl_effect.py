@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from cod_fast.bench.kernels import emit_summary
@@ -41,15 +43,87 @@ ARMS = ("cod", "task_by_task")
 PRESET = "tiny-cpu"
 
 
-def train_process(preset: str, run_dir: Path, overrides: list[str], log: Path) -> None:
-    """One `cod-fast train --preset PRESET` in its own process; its output goes to `log`."""
-    cmd = [sys.executable, "-m", "cod_fast.cli", "train", "--preset", preset]
+def train_process(
+    preset: str,
+    run_dir: Path,
+    overrides: list[str],
+    log: Path,
+    *,
+    ranks: int = 1,
+    threads: int | None = None,
+) -> None:
+    """One `cod-fast train --preset PRESET` in its own process (under torchrun for `ranks` > 1,
+    with OMP_NUM_THREADS=`threads` when given); its output goes to `log`."""
+    launcher = [sys.executable, "-m"]
+    if ranks > 1:
+        launcher += ["torch.distributed.run", "--nproc_per_node", str(ranks), "--standalone", "-m"]
+    cmd = [*launcher, "cod_fast.cli", "train", "--preset", preset]
     for override in [*overrides, f"runtime.run_dir={run_dir}"]:
         cmd += ["--set", override]
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     with log.open("w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; see {log}")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm of a comparison from a shared checkpoint."""
+
+    prefix: str
+    """Its runs are DIR/runs/PREFIX-seedS."""
+    overrides: tuple[str, ...] = ()
+    """What sets the arm apart."""
+    ranks: int = 1
+    """Processes under torchrun (1: a plain process)."""
+    threads: int | None = None
+    """OMP_NUM_THREADS of its processes (None: inherited)."""
+
+
+def warm_checkpoint(
+    warm: Path, warm_steps: int, overrides: list[str], threads: int | None = None
+) -> Path:
+    """The shared warm start (`train.steps=0`, no evaluations: every arm's "start" row is
+    one), trained unless `warm` already holds it."""
+    if not (warm / "checkpoints" / "latest").exists():
+        settings = ["train.steps=0", f"train.warm_start_steps={warm_steps}", "rollout.eval_packs=0"]
+        train_process(
+            PRESET, warm, [*overrides, *settings], warm.with_suffix(".log"), threads=threads
+        )
+    return warm
+
+
+def run_arms(
+    start: Path,
+    arms: dict[str, Arm],
+    seeds: list[int],
+    rl_steps: int,
+    eval_packs: int,
+    common: list[str],
+    runs: Path,
+) -> dict[str, list[dict]]:
+    """Per seed and arm, `rl_steps` RL steps from the checkpoint `start` (a run that already
+    has its "end" evaluation is read, not rerun); per arm, its (seed, before, after) rows."""
+    rows: dict[str, list[dict]] = {name: [] for name in arms}
+    for seed in seeds:
+        for name, arm in arms.items():
+            run_dir = runs / f"{arm.prefix}-seed{seed}"
+            if "end" not in evaluations(run_dir):
+                overrides = [  # the bench's own flags win over --set
+                    *common,
+                    "train.warm_start_steps=0",
+                    f"train.steps={rl_steps}",
+                    f"train.seed={seed}",
+                    f"train.init_from={start}",
+                    f"rollout.eval_packs={eval_packs}",
+                    *arm.overrides,
+                ]
+                log = run_dir.with_suffix(".log")
+                train_process(PRESET, run_dir, overrides, log, ranks=arm.ranks, threads=arm.threads)
+            evals = evaluations(run_dir)
+            rows[name].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
+    return rows
 
 
 def evaluations(run_dir: Path) -> dict[str, dict]:
@@ -70,36 +144,12 @@ def fmt_spread(pair: tuple[float, float]) -> str:
 
 
 def run(args) -> dict:
-    out = Path(args.out)
-    runs = out / "runs"
+    runs = Path(args.out) / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    warm = runs / "warm"
-    if not (warm / "checkpoints" / "latest").exists():
-        # Its own evaluations would repeat every arm's "start" row: none.
-        settings = [
-            "train.steps=0",
-            f"train.warm_start_steps={args.warm_steps}",
-            "rollout.eval_packs=0",
-        ]
-        train_process(PRESET, warm, [*args.set, *args.warm_set, *settings], runs / "warm.log")
-    arms: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for seed in args.seeds:
-        for arm in ARMS:
-            run_dir = runs / f"{arm}-seed{seed}"
-            if "end" not in evaluations(run_dir):
-                overrides = [
-                    *args.set,
-                    "train.warm_start_steps=0",
-                    f"train.steps={args.rl_steps}",
-                    f"train.seed={seed}",
-                    f"algo.algorithm={arm}",
-                    f"train.init_from={warm}",
-                    f"rollout.eval_packs={args.eval_packs}",
-                ]
-                train_process(PRESET, run_dir, overrides, runs / f"{arm}-seed{seed}.log")
-            evals = evaluations(run_dir)
-            arms[arm].append({"seed": seed, "before": evals["start"], "after": evals["end"]})
-    return summarize_arms(arms)
+    warm = warm_checkpoint(runs / "warm", args.warm_steps, [*args.set, *args.warm_set])
+    arms = {arm: Arm(arm, (f"algo.algorithm={arm}",)) for arm in ARMS}
+    rows = run_arms(warm, arms, args.seeds, args.rl_steps, args.eval_packs, args.set, runs)
+    return summarize_arms(rows)
 
 
 def summarize_arms(arms: dict[str, list[dict]], pair: tuple[str, str] = ARMS) -> dict:

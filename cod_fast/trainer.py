@@ -348,9 +348,6 @@ class Trainer:
             if due and self.step < self.total_steps:
                 self._evaluate(f"rl step {rl_steps}")
 
-    def _stopping(self) -> bool:
-        return self.stop_requested
-
     def _request_stop(self, signum, frame) -> None:
         if self.stop_requested:  # a second signal: stop at once
             raise KeyboardInterrupt
@@ -367,7 +364,9 @@ class Trainer:
             t_sampled = t0
             update = self._update(rollouts, SFT_LOSS, mini_batches=1)
         else:
-            batch = self.batches.next(self.step - self.warm_steps, self.policy, self._stopping)
+            batch = self.batches.next(
+                self.step - self.warm_steps, self.policy, lambda: self.stop_requested
+            )
             t_sampled = time.perf_counter()
             rollouts = batch.rollouts
             trained = rollouts + batch.replayed

@@ -80,11 +80,10 @@ class Start:
     """What trainer 0 tells the workers as RL starts (or resumes)."""
 
     first_batch: int
-    """The first batch to sample (the RL step the trainer is at)."""
+    """The first batch to sample (the RL step the trainer is at), and the version of the
+    weights that follow."""
     last_batch: int
     """The last batch of the run (below first_batch: nothing to sample, the run is over)."""
-    version: int
-    """The version of the weights that follow (equal to first_batch)."""
     sampler_states: list[Any] | None = None
     """Each worker's sampler state from the checkpoint (None: a fresh start)."""
 

@@ -58,7 +58,7 @@ class RemoteBatches:
         """Tell the workers where RL starts and send them the weights they start from."""
         self.first = rl_step
         if self.ctx.is_main:
-            start = Start(rl_step, self.rl_steps - 1, rl_step, self.sampler_states)
+            start = Start(rl_step, self.rl_steps - 1, self.sampler_states)
             send_start(start, self.groups.weights)
             batches = self.rl_steps - rl_step
             self.receiver = BatchReceiver(self.groups.batches, self.groups.worker_ranks, batches)
@@ -129,4 +129,4 @@ class RemoteBatches:
         if self.finished:
             self.publisher.wait()
         elif self.first is None and self.ctx.is_main:
-            send_start(Start(first_batch=0, last_batch=-1, version=0), self.groups.weights)
+            send_start(Start(first_batch=0, last_batch=-1), self.groups.weights)

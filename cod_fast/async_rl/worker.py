@@ -87,10 +87,12 @@ class RolloutWorker:
         states = start.sampler_states
         if states is not None and len(states) == self.count:  # else new streams (other R)
             self.sampler.load_state_dict(states[self.index])
-        self._take_weights(start.version)
+        self._take_weights(start.first_batch)
         train, sent = self.cfg.train, 0
         for batch in range(start.first_batch, start.last_batch + 1):
-            need = weights_version(batch, train.max_staleness, train.sync_interval, start.version)
+            need = weights_version(
+                batch, train.max_staleness, train.sync_interval, start.first_batch
+            )
             while self.version < need:
                 self._take_weights(next_broadcast(self.version, train.sync_interval))
             send_batch(self._sample(batch), self.groups.batches)
