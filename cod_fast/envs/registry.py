@@ -36,6 +36,7 @@ ENVIRONMENTS = {
     "optimal_control": "cod_fast.envs.optimal_control:OptimalControlEnv",
     "pde": "cod_fast.envs.pde:PdeEnv",
     "grid_nav": "cod_fast.envs.gridnav:GridNavEnv",
+    "learn2ask": "cod_fast.envs.learn2ask:Learn2AskEnv",
 }
 """The built-in environments, name -> "module:class"."""
 

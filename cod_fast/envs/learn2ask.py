@@ -1,0 +1,643 @@
+"""Learn2Ask: a consultation in which the agent asks a patient about findings, then diagnoses.
+
+A pack shares its candidate conditions (named in the prompt) and, hidden, their finding profiles:
+which of the listed findings each condition shows, pairwise distinct. Some listed findings are
+not defined for the pack; the patient answers `not sure` about them, so asking them is wasted.
+Each task is one case: a condition of the pack, drawn per task, whose findings the patient
+reports truthfully. What carries over between the tasks of a pack is which findings tell the
+conditions apart and which are useless: without that the agent must guess or spend questions,
+with it it asks only the questions that discriminate.
+
+Actions: `ask FINDING` (the patient answers yes, no or not sure) and `answer CONDITION`, which
+ends the episode. Reward: 1 for the right condition, else 0, minus a cost per question (asking a
+finding twice pays twice); running out of turns scores as a wrong answer. A malformed action (an
+unknown command, an answer naming no candidate, a finding over MAX_NAME_CHARS) ends the episode
+with the shape's floor, -cost x max_steps: what spending every turn on questions gives, so no
+valid play scores below it.
+
+Sizes: `full` (train 4-5 conditions and 8 listed findings of which 5 are defined, 9 turns; eval
+5-6 conditions, 9 findings, 6 defined, 10 turns; profiles of 2-3 findings; 0.05 a question)
+names conditions and findings by words. `tiny` is for a ~0.35M-parameter model: conditions
+`a b c` (eval `a b c d`), findings `1`-`5` (eval `1`-`6`), each condition showing one finding of
+its own, one-word observations and a one-line feedback.
+
+User cases (`cases=`, a JSONL file read by `load_cases`) replace the built-in packs: a pack is a
+group of cases, a task one case of it, the candidates its answer and distractors.
+
+Hints are scored entry by entry (cod_fast.diagnostics): an entry is a condition and the findings
+it shows, written `a3` at tiny size (a shows 3) and `flu=cough+fever` at full size, as the
+explorer writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cod_fast.envs.base import (
+    MAX_ACTION_CHARS,
+    Agent,
+    Environment,
+    Setting,
+    Size,
+    StepOutcome,
+    Task,
+    rng_for,
+    too_long,
+)
+from cod_fast.envs.judge import JudgeQuery, Verdict
+
+CONDITIONS = (
+    "flu", "cold", "allergy", "asthma", "migraine",
+    "measles", "strep", "sinusitis", "bronchitis", "covid",
+)  # fmt: skip
+FINDINGS = (
+    "fever", "cough", "rash", "headache", "sneezing", "wheezing", "itching",
+    "nausea", "chills", "fatigue", "congestion", "dizziness", "vomiting", "swelling",
+)  # fmt: skip
+LETTERS = "abcd"
+MAX_NAME_CHARS = 40
+"""The longest condition or finding name read (a longer `ask` is a malformed action)."""
+_NAME_RE = re.compile(r"[a-z0-9][a-z0-9 '-]*")
+_TINY_TOKEN_RE = re.compile(r"([a-d])(\d|\?)|\?(\d+)")
+# `+` is outside the name class, so no two parts of a token can match the same characters.
+_WORD_TOKEN_RE = re.compile(r"([a-z0-9_'-]+|\?)=([a-z0-9_'-]+(?:\+[a-z0-9_'-]+)*)")
+
+
+@dataclass(frozen=True)
+class AskShape:
+    """The knobs of one (size, setting)."""
+
+    conditions: tuple[int, int]
+    """Range (inclusive) of the candidate conditions of a pack."""
+    findings: int
+    """Findings the prompt lists."""
+    defined: int
+    """Listed findings the profiles are drawn from; the patient is `not sure` about the others
+    and about any that none of the pack's conditions shows."""
+    shows: tuple[int, int]
+    """Range (inclusive) of the findings one condition shows."""
+    max_steps: int
+    """Turns per task: the questions and the final answer."""
+    cost: float
+    """What one question costs."""
+    compact: bool
+    """Letters and digits for names, one-word observations, a one-line feedback."""
+
+    @property
+    def floor(self) -> float:
+        """The malformed reward: every turn spent asking, and no answer."""
+        return -self.cost * self.max_steps
+
+
+SHAPES: dict[tuple[Size, Setting], AskShape] = {
+    ("full", "train"): AskShape((4, 5), 8, 5, (2, 3), max_steps=9, cost=0.05, compact=False),
+    ("full", "eval"): AskShape((5, 6), 9, 6, (2, 3), max_steps=10, cost=0.05, compact=False),
+    ("tiny", "train"): AskShape((3, 3), 5, 3, (1, 1), max_steps=4, cost=0.1, compact=True),
+    # A fourth condition and a sixth finding; a lower cost keeps the solver's longer question
+    # sequences (2.25 on average) at 0.82.
+    ("tiny", "eval"): AskShape((4, 4), 6, 4, (1, 1), max_steps=5, cost=0.08, compact=True),
+}
+
+
+def normalise(name: str) -> str:
+    """Names are matched in lower case with runs of whitespace made one space."""
+    return " ".join(name.split()).lower()
+
+
+def parse_action(action: str) -> tuple[str, str] | None:
+    """`ask FINDING` or `answer CONDITION` -> (command, normalised name); None when neither.
+    Forgives case, whitespace, quotes or backticks around it and a trailing period."""
+    text = action.strip().strip("`'\"").strip().rstrip(".").strip().strip("`'\"").strip()
+    head, _, rest = text.partition(" ")
+    name = normalise(rest)
+    if head.lower() not in ("ask", "answer") or not 0 < len(name) <= MAX_NAME_CHARS:
+        return None
+    return head.lower(), name
+
+
+def _reply_of(observation: str) -> str | None:
+    text = observation.lower()
+    return next((reply for reply in ("not sure", "yes", "no") if text.startswith(reply)), None)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One consultation: the patient's findings, the right condition and the wrong candidates."""
+
+    facts: dict[str, str]
+    """Normalised finding -> `yes` or `no`; the patient is `not sure` about any other."""
+    answer: str
+    distractors: tuple[str, ...]
+    group: str = ""
+    """Cases of one group form the packs of that group."""
+
+
+class CasesError(ValueError):
+    """A cases file that cannot be used; one line naming the file, the line, the field, the fix."""
+
+
+def _name(where: str, field: str, value: object) -> str:
+    name = normalise(value) if isinstance(value, str) else ""
+    if not (_NAME_RE.fullmatch(name) and len(name) <= MAX_NAME_CHARS):
+        raise CasesError(
+            f"{where}: field '{field}' has {value!r}; write a name of letters, digits, spaces, "
+            f"' and - (at most {MAX_NAME_CHARS} characters)"
+        )
+    return name
+
+
+def _case(where: str, text: str) -> Case:
+    try:
+        row = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        raise CasesError(f"{where}: not JSON ({why}); write one JSON object per line") from e
+    if not isinstance(row, dict):
+        raise CasesError(f'{where}: not a JSON object; write {{"facts": ..., "answer": ...}}')
+    for field in ("facts", "answer", "distractors"):
+        if field not in row:
+            raise CasesError(f"{where}: missing field '{field}'; add it")
+    facts = row["facts"]
+    if not (isinstance(facts, dict) and facts) or any(
+        not isinstance(v, str) or v.lower() not in ("yes", "no") for v in facts.values()
+    ):
+        raise CasesError(
+            f"{where}: field 'facts' is not a map of findings to yes or no; write e.g. "
+            '{"fever": "yes", "cough": "no"}'
+        )
+    answer, distractors = _name(where, "answer", row["answer"]), row["distractors"]
+    if not (isinstance(distractors, list) and distractors):
+        raise CasesError(f"{where}: field 'distractors' lists no condition; list at least 1")
+    names = [_name(where, "distractors", d) for d in distractors]
+    if answer in names or len(set(names)) < len(names):
+        raise CasesError(
+            f"{where}: field 'distractors' repeats the answer or a condition; list each once"
+        )
+    group = row.get("group", "")
+    if not isinstance(group, str):
+        raise CasesError(f"{where}: field 'group' is {group!r}; write a name or leave it out")
+    facts = {_name(where, "facts", k): v.lower() for k, v in facts.items()}
+    return Case(facts, answer, tuple(names), group)
+
+
+def load_cases(path: str | Path) -> list[Case]:
+    """The cases of a JSONL file, one JSON object per line (blank lines skipped), e.g.
+    `{"facts": {"fever": "yes"}, "answer": "flu", "distractors": ["cold"], "group": "g"}` with
+    `group` optional. CasesError, in one line, for anything else."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CasesError(f"{path}: cannot read it ({type(e).__name__}); pass a JSONL file") from e
+    cases = [_case(f"{path}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
+    if not cases:
+        raise CasesError(f"{path}: no cases; write one JSON object per line")
+    return cases
+
+
+def best_split(
+    candidates: Sequence[str],
+    findings: Sequence[str],
+    value: Callable[[str, str], bool | None],
+    skip: set[str],
+) -> str | None:
+    """The finding (not in `skip`) whose known values (`value(c, f)`: True, False, or None when
+    unknown) tell the most pairs of `candidates` apart, the first on ties; None when none tells
+    any pair apart."""
+    best, most = None, 0
+    for f in findings:
+        if f not in skip:
+            values = [value(c, f) for c in candidates]
+            if (pairs := values.count(True) * values.count(False)) > most:
+                best, most = f, pairs
+    return best
+
+
+class Learn2AskTask(Task):
+    """One case. Hidden state: `answer`, `facts` and, in a built-in pack, `profiles` (condition
+    -> the findings it shows; every other defined finding is `no`)."""
+
+    env_name = "learn2ask"
+
+    def __init__(
+        self,
+        pack_seed: int,
+        task_index: int,
+        shape: AskShape,
+        candidates: tuple[str, ...],
+        findings: tuple[str, ...],
+        answer: str,
+        facts: dict[str, str],
+        profiles: dict[str, frozenset[str]] | None,
+    ):
+        super().__init__(pack_seed, task_index)
+        self.shape, self.candidates, self.findings = shape, candidates, findings
+        self.answer, self.facts, self.profiles = answer, facts, profiles
+        self.max_steps = shape.max_steps
+        self.expected = (
+            "expected ask N or answer X, e.g. ask 3"
+            if shape.compact
+            else f"expected `ask FINDING` or `answer CONDITION`, e.g. `ask {findings[0]}`"
+        )
+        self.reset()
+
+    def prompt(self) -> str:
+        if self.shape.compact:
+            return (
+                f"which {' '.join(self.candidates)}? ask {' '.join(self.findings)}\n"
+                "act ask N or answer X, e.g. ask 3"
+            )
+        shows = "Each condition shows {} to {} of the findings. ".format(*self.shape.shows)
+        return (
+            f"A patient has one of these conditions: {', '.join(self.candidates)}.\n"
+            f"Findings you may ask about: {', '.join(self.findings)}.\n"
+            f"{shows * (self.profiles is not None)}The patient answers yes, no, or not sure "
+            f"about a finding that tells nothing here. Ask with `ask FINDING`, e.g. "
+            f"`ask {self.findings[0]}`; end with `answer CONDITION`, e.g. "
+            f"`answer {self.candidates[0]}`. A right answer scores 1, a wrong one 0, and each "
+            f"question costs {self.shape.cost:g}. You have {self.max_steps} turns."
+        )
+
+    def reset(self) -> str:
+        self.steps, self.questions, self.done = 0, 0, False
+        self.outcome = ""  # '', 'right', 'wrong', 'out', 'invalid' or 'too_long'
+        self.given = ""  # the condition the final answer named
+        self.log: list[tuple[str, str]] = []  # (action, reply), for the solver and the judge
+        if self.shape.compact:
+            return f"turns {self.max_steps}"
+        return f"The patient waits for your first question. Turns left: {self.max_steps}."
+
+    def step(self, action: str) -> StepOutcome:
+        if self.done:
+            return StepOutcome(self.feedback(), done=True)
+        problem = too_long(action)
+        if problem is not None:
+            return self._refuse("too_long", f"Invalid action ({problem}): {self.expected}.")
+        parsed = parse_action(action)
+        if parsed is None or (parsed[0] == "answer" and parsed[1] not in self.candidates):
+            shown = action.strip()[:40]
+            return self._refuse("invalid", f"Invalid action {shown!r}: {self.expected}.")
+        command, name = parsed
+        self.steps += 1
+        if command == "answer":
+            self.done, self.given = True, name
+            self.outcome = "right" if name == self.answer else "wrong"
+            self.log.append((f"answer {name}", self.outcome))
+            text = self.outcome if self.shape.compact else f"Your answer is {self.outcome}."
+            return StepOutcome(text, done=True)
+        self.questions += 1
+        reply = self.facts.get(name, "not sure")
+        self.log.append((f"ask {name}", reply))
+        left = self.max_steps - self.steps
+        if left == 0:
+            self.done, self.outcome = True, "out"
+        if self.shape.compact:
+            return StepOutcome(reply + " out of turns" * self.done, done=self.done)
+        text = f"{reply.capitalize()} ({name}). Turns left: {left}."
+        return StepOutcome(text + " You are out of turns." * self.done, done=self.done)
+
+    def _refuse(self, outcome: str, observation: str) -> StepOutcome:
+        self.done, self.outcome = True, outcome
+        self.log.append(("(malformed action)", outcome))
+        return StepOutcome(observation, done=True, valid=False)
+
+    @property
+    def malformed(self) -> bool:
+        return self.outcome in ("invalid", "too_long")
+
+    @property
+    def reward(self) -> float:
+        return self.judged_reward(Verdict(float(self.success)))
+
+    @property
+    def success(self) -> bool:
+        return self.outcome == "right"
+
+    def feedback(self) -> str:
+        """The result and, once done, the true condition (last, so that what was seen can be
+        attributed to it)."""
+        bad = f"bad action, {self.expected}"
+        if self.shape.compact:
+            results = {"out": "out of turns", "invalid": bad, "too_long": f"too long, {bad}"}
+            result = results.get(self.outcome, self.outcome or "unfinished")
+            return f"{result}, it was {self.answer}" if self.done else result
+        result = {
+            "right": f"Right answer; questions asked: {self.questions}.",
+            "wrong": f"Wrong answer ({self.given}); questions asked: {self.questions}.",
+            "out": "Out of turns without an answer.",
+            "": "Not finished.",
+            "invalid": f"Stopped by an invalid action ({self.expected}).",
+            "too_long": f"Stopped by an action over {MAX_ACTION_CHARS} characters "
+            f"({self.expected}).",
+        }[self.outcome]
+        return f"{result} The patient had: {self.answer}" if self.done else result
+
+    def judge_query(self) -> JudgeQuery | None:
+        """Once done: the reference (the condition and the case's findings), the questions and
+        replies, the condition named, and the rule's verdict (1 when it is the right one)."""
+        if not self.done:
+            return None
+        facts = ", ".join(f"{f} {reply}" for f, reply in self.facts.items())
+        turns = "\n".join(f"{action} -> {reply}" for action, reply in self.log)
+        return JudgeQuery(
+            env=self.env_name,
+            rubric="Score 1 if the final answer names the reference condition, else 0.",
+            reference=f"condition: {self.answer}; findings: {facts}; any other: not sure",
+            transcript=f"{self.prompt()}\n{turns}",
+            answer=self.given,
+            rule=Verdict(float(self.success), reason=self.outcome),
+        )
+
+    def judged_reward(self, verdict: Verdict) -> float:
+        """The verdict's score less the questions' cost; a malformed action keeps the floor."""
+        if self.malformed:
+            return self.shape.floor
+        return verdict.score - self.shape.cost * self.questions
+
+
+class Learn2AskEnv(Environment):
+    """Ask a patient about findings, then name the condition; the profiles are hidden per pack."""
+
+    name = "learn2ask"
+    reward_range = (min(shape.floor for shape in SHAPES.values()), 1.0)
+    description = "Diagnose by asking a patient about findings; which findings tell is hidden."
+
+    def __init__(self, setting: Setting = "train", size: Size = "full", cases: str | None = None):
+        super().__init__(setting, size)
+        self.shape = SHAPES[(size, setting)]
+        self.groups: dict[str, list[Case]] = {}
+        for case in load_cases(cases) if cases is not None else []:
+            self.groups.setdefault(case.group, []).append(case)
+        self.hint_words = cases is not None or not self.shape.compact
+        """Hints in words (`flu=cough+fever`) rather than letters and digits (`a3`)."""
+
+    def profiles(
+        self, pack_seed: int
+    ) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, frozenset[str]]]:
+        """The hidden rule of a built-in pack, from pack_seed alone: (conditions, findings,
+        profiles), the first two public and in prompt order."""
+        shape = self.shape
+        rng = rng_for(self.name, "rule", pack_seed, self.setting, self.size)
+        if shape.compact:  # one finding of its own per condition
+            conditions = tuple(LETTERS[: shape.conditions[0]])
+            findings = tuple(str(i) for i in range(1, shape.findings + 1))
+            marks = rng.sample(findings, len(conditions))
+            profiles = {c: frozenset({m}) for c, m in zip(conditions, marks, strict=True)}
+            return conditions, findings, profiles
+        count = rng.randint(*shape.conditions)
+        conditions = tuple(sorted(rng.sample(CONDITIONS, count), key=CONDITIONS.index))
+        findings = tuple(sorted(rng.sample(FINDINGS, shape.findings), key=FINDINGS.index))
+        defined = rng.sample(findings, shape.defined)
+        while True:  # until pairwise distinct, so that the solver can tell them apart
+            profiles = {
+                c: frozenset(rng.sample(defined, rng.randint(*shape.shows))) for c in conditions
+            }
+            if len(set(profiles.values())) == len(conditions):
+                return conditions, findings, profiles
+
+    def task(self, pack_seed: int, task_index: int) -> Learn2AskTask:
+        rng = rng_for(self.name, "task", pack_seed, task_index, self.setting, self.size)
+        if not self.groups:
+            conditions, findings, profiles = self.profiles(pack_seed)
+            answer = rng.choice(conditions)
+            defined = set().union(*profiles.values())  # a finding nobody shows tells nothing
+            facts = {f: "yes" if f in profiles[answer] else "no" for f in sorted(defined)}
+            return Learn2AskTask(
+                pack_seed, task_index, self.shape, conditions, findings, answer, facts, profiles
+            )
+        groups = sorted(self.groups)
+        cases = self.groups[groups[rng_for(self.name, "group", pack_seed).randrange(len(groups))]]
+        case = cases[rng.randrange(len(cases))]
+        candidates = [case.answer, *case.distractors]
+        rng.shuffle(candidates)
+        findings = tuple(sorted({f for c in cases for f in c.facts}))
+        shape = replace(self.shape, compact=False)  # user names are words
+        return Learn2AskTask(
+            pack_seed, task_index, shape, tuple(candidates), findings, case.answer, case.facts, None
+        )
+
+    def solver(self) -> Agent:
+        return Learn2AskSolver()
+
+    def explorer(self) -> Agent:
+        return Learn2AskExplorer()
+
+    def hint_truth(self, pack_seed: int) -> dict[str, str] | None:
+        """Every condition and the findings it shows (None with user cases: two cases of one
+        condition may differ)."""
+        if self.groups:
+            return None
+        conditions, _, profiles = self.profiles(pack_seed)
+        return {c: "+".join(sorted(profiles[c])) for c in conditions}
+
+    def hint_entries(self, hints: str | None) -> dict[str, str]:
+        """The profiles a hint text states, read the explorer's way: `a3` (tiny) or
+        `flu=cough+fever` (full); `a?` and the not-sure list (`?24`, `?=nausea`) state none; of
+        two entries for one condition the later counts."""
+        entries = {}
+        for token in (hints or "").lower().split():
+            if not self.hint_words:
+                if (match := _TINY_TOKEN_RE.fullmatch(token)) and match.group(2) not in (None, "?"):
+                    entries[match.group(1)] = match.group(2)
+            elif (match := _WORD_TOKEN_RE.fullmatch(token)) and match.group(1) != "?":
+                shown = sorted(f.replace("_", " ") for f in match.group(2).split("+"))
+                entries[match.group(1).replace("_", " ")] = "+".join(shown)
+        return entries
+
+    def knowable_entries(
+        self, known: dict[str, str], task: Task, steps: Sequence[tuple[str, str]], feedback: str
+    ) -> dict[str, str]:
+        """The explorer starts the task from hints stating `known`, reviews the episode's
+        questions, replies and feedback, and states what it then knows. It carries the
+        not-sure findings too, which can complete a profile sooner: on top of `known` alone it
+        may state less than in its own play, never more."""
+        explorer = Learn2AskExplorer()
+        explorer.start(task, self.render_hints(known))
+        explorer.review(steps, feedback)
+        return self.hint_entries(explorer.hints())
+
+    def render_hints(self, entries: dict[str, str]) -> str:
+        if not self.hint_words:
+            return " ".join(
+                f"{c}{entries.get(c, '?')}" for c in LETTERS[: self.shape.conditions[1]]
+            )
+        return " ".join(f"{c}={v}".replace(" ", "_") for c, v in entries.items()) or "?"
+
+
+class Learn2AskSolver(Agent):
+    """Reads the pack's profiles and asks the finding that splits the candidates still
+    consistent with the replies most evenly, answering once one is left. With user cases it
+    reads the answer and gives it at once."""
+
+    def start(self, task: Task, hints: str | None) -> None:
+        assert isinstance(task, Learn2AskTask)
+        self.task = task
+
+    def act(self, observation: str) -> str:
+        task, profiles = self.task, self.task.profiles
+        if profiles is None:
+            return f"answer {task.answer}"
+        asked = {action[4:]: reply for action, reply in task.log}
+
+        def value(c: str, f: str) -> bool | None:
+            return f in profiles[c] if f in task.facts else None  # None: not sure
+
+        left = [
+            c
+            for c in task.candidates
+            if all(value(c, f) in (None, r == "yes") for f, r in asked.items())
+        ]
+        if len(left) == 1:
+            return f"answer {left[0]}"
+        return f"ask {best_split(left, task.findings, value, set(asked))}"
+
+
+class Learn2AskExplorer(Agent):
+    """Learns the profiles from the replies and the true condition the feedback names, and
+    carries them in hints: `a3 b? c? ?24` at tiny size (a shows 3, b and c unknown, 2 and 4 not
+    sure), `flu=cough+fever ?=nausea` at full size (flu shows cough and fever and no other
+    listed finding; nausea is not sure). A profile is recorded once complete: every listed
+    finding asked or not sure, or as many shown as a condition can show (the prompt says).
+
+    It reads only the prompt (and the turn budget), the replies, the feedback and its hints.
+    Each turn it keeps the candidates that contradict the fewest replies (an unseen condition
+    contradicts none), then: answers when one is left; asks the finding whose known values split
+    them most evenly; answers a known condition whose findings all came back yes, or asks the
+    next of them; while an unseen candidate may show more, asks a finding its value is unknown
+    for (that teaches its profile, through the feedback); else names the candidate the replies
+    matched most often. It keeps one turn for the answer.
+    """
+
+    def start(self, task: Task, hints: str | None) -> None:
+        prompt = task.prompt()
+        self.max_steps = task.max_steps
+        self.compact = prompt.startswith("which ")
+        if self.compact:  # one finding of its own per condition
+            heads = re.match(r"which (.*)\? ask (.*)", prompt)
+            self.conditions, self.findings = heads.group(1).split(), heads.group(2).split()
+            self.most = 1
+        else:
+            self.conditions = re.search(r"conditions: ([^\n]*)\.\n", prompt).group(1).split(", ")
+            self.findings = re.search(r"ask about: ([^\n]*)\.\n", prompt).group(1).split(", ")
+            shows = re.search(r"shows \d+ to (\d+)", prompt)
+            self.most = int(shows.group(1)) if shows else len(self.findings)
+        self.known: dict[str, set[str]] = {}  # complete profiles: the findings shown
+        self.useless: set[str] = set()
+        for token in (hints or "").lower().split():
+            self._read(token)
+        self.answers: dict[str, str] = {}
+        self.last: str | None = None
+        self.steps = 0
+
+    def _read(self, token: str) -> None:
+        if self.compact:
+            match = _TINY_TOKEN_RE.fullmatch(token)
+            if match and match.group(1) in self.conditions and match.group(2) in self.findings:
+                self.known[match.group(1)] = {match.group(2)}
+            elif match and match.group(3):
+                self.useless |= set(match.group(3)) & set(self.findings)
+        elif match := _WORD_TOKEN_RE.fullmatch(token):
+            name = match.group(1).replace("_", " ")
+            shown = {f.replace("_", " ") for f in match.group(2).split("+")} & set(self.findings)
+            if name == "?":
+                self.useless |= shown
+            elif name in self.conditions:
+                self.known[name] = shown
+
+    def value(self, condition: str, finding: str) -> bool | None:
+        """Whether `condition` shows `finding` as far as known (None: unknown)."""
+        if condition in self.known:
+            return finding in self.known[condition]
+        # At tiny size a finding one condition shows is shown by no other.
+        return False if self.compact and any(finding in s for s in self.known.values()) else None
+
+    def _contradictions(self, condition: str) -> int:
+        replies = [(f, r == "yes") for f, r in self.answers.items() if r != "not sure"]
+        wrong = sum(self.value(condition, f) not in (None, yes) for f, yes in replies)
+        too_many = condition not in self.known and sum(yes for _, yes in replies) > self.most
+        return wrong + too_many
+
+    def _observe(self, observation: str) -> None:
+        reply = _reply_of(observation)
+        if self.last is not None and reply is not None:
+            self.answers[self.last] = reply
+            if reply == "not sure":
+                self.useless.add(self.last)
+        self.last = None
+
+    def act(self, observation: str) -> str:
+        self._observe(observation)
+        action = self._decide()
+        self.last = action[4:] if action.startswith("ask ") else None
+        self.steps += 1
+        return action
+
+    def _decide(self) -> str:
+        fewest = min(map(self._contradictions, self.conditions))
+        left = [c for c in self.conditions if self._contradictions(c) == fewest]
+        skip = set(self.answers) | self.useless
+        if len(left) == 1 or self.max_steps - self.steps <= 1:
+            return f"answer {self._guess(left)}"
+        if split := best_split(left, self.findings, self.value, skip):
+            return f"ask {split}"
+        known = next((c for c in left if c in self.known), None)
+        if known is not None:
+            pending = [f for f in self.findings if f in self.known[known] and f not in skip]
+            return f"ask {pending[0]}" if pending else f"answer {known}"
+        seen = sum(r == "yes" for r in self.answers.values())
+        unseen = [c for c in left if c not in self.known and seen < self.most]
+        for f in self.findings:
+            if f not in skip and any(self.value(c, f) is None for c in unseen):
+                return f"ask {f}"
+        return f"answer {self._guess(left)}"
+
+    def _guess(self, left: list[str]) -> str:
+        """The candidate whose known values the replies matched most often (the first on ties)."""
+        replies = [(f, r == "yes") for f, r in self.answers.items() if r != "not sure"]
+        return max(left, key=lambda c: sum(self.value(c, f) == yes for f, yes in replies))
+
+    def _record(self, feedback: str) -> None:
+        """Attribute this task's replies to the condition the feedback names."""
+        named = [c for c in self.conditions if feedback.lower().endswith(c)]
+        if not named:
+            return
+        true = max(named, key=len)
+        shown = {f for f, reply in self.answers.items() if reply == "yes"}
+        if self._contradictions(true):  # wrong hints: forget them
+            self.known.pop(true, None)
+        complete = len(shown) >= self.most or set(self.findings) <= set(self.answers) | self.useless
+        if true not in self.known and complete:
+            self.known[true] = shown
+            if self.compact:  # its finding is no other's
+                for c in [c for c in self.known if c != true and self.known[c] == shown]:
+                    del self.known[c]
+
+    def write_hints(self, task: Task, old_hints: str | None) -> str:
+        self._record(task.feedback())
+        return self.hints()
+
+    def hints(self) -> str:
+        """What it knows, in the format `start` reads."""
+        useless = [f for f in self.findings if f in self.useless]
+        if self.compact:
+            marks = [
+                c + (min(self.known[c]) if self.known.get(c) else "?") for c in self.conditions
+            ]
+            return " ".join(marks + [f"?{''.join(useless)}"] * bool(useless))
+        words = [
+            f"{c}={'+'.join(sorted(self.known[c]))}" for c in self.conditions if self.known.get(c)
+        ]
+        words += [f"?={'+'.join(useless)}"] * bool(useless)
+        return " ".join(word.replace(" ", "_") for word in words) or "?"
+
+    def review(self, steps: Sequence[tuple[str, str]], feedback: str) -> None:
+        """Learn from a task played by someone else (after `start`): its (observation, action)
+        pairs and the feedback, as if it had chosen those actions."""
+        for observation, action in steps:
+            self._observe(observation)
+            parsed = None if too_long(action) else parse_action(action)
+            self.last = parsed[1] if parsed and parsed[0] == "ask" else None
+        self._record(feedback)
