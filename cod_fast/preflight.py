@@ -81,6 +81,7 @@ def preflight(cfg: Config) -> None:
         )
     if cfg.train.init_from is not None and (problem := check_source(cfg.train.init_from)):
         raise ConfigError("train.init_from", problem)
+    _check_environments(cfg)
     _check_device_dtype(cfg)
     _check_attention(cfg)
     _check_kernel_impls(cfg.runtime.kernel_impl)
@@ -91,6 +92,17 @@ def preflight(cfg: Config) -> None:
     # own copy here for nothing, and the main process's refusal ends the run for all of them.
     if world_size == 1 or _environment_int("RANK", 0) == 0:
         _check_token_budget(cfg)
+
+
+def _check_environments(cfg: Config) -> None:
+    """Each environment can be made with its options (a learn2ask cases file is read and
+    checked here, before anything is written)."""
+    for entry in cfg.rollout.environments:
+        try:
+            make_envs([entry])
+        except ValueError as e:
+            key = "rollout.env_options" if not cfg.rollout.envs else "rollout.envs"
+            raise ConfigError(key, f"environment {entry.name}: {e}") from None
 
 
 def _environment_int(name: str, default: int) -> int:

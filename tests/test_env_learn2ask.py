@@ -502,3 +502,27 @@ def test_explorer_reads_wrong_hints_without_harm(size):
             shown = set(stated.split("+"))
             for action, reply in task.log[:-1]:
                 assert reply == "not sure" or (action[4:] in shown) == (reply == "yes")
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_user_cases_and_refuses_a_bad_file_before_starting(tmp_path):
+    """`cod-fast train` on learn2ask with `rollout.env_options={cases: FILE}`: the warm start
+    imitates the explorer on the user's cases and RL runs to its end; the same run with a
+    missing file stops before writing anything, in one line naming the file."""
+    from typer.testing import CliRunner
+
+    from cod_fast.cli import app
+    from tests.test_trainer import FAST
+
+    def train(run, cases):
+        args = ["train", "--preset", "tiny-cpu"]
+        for override in [*FAST, f"runtime.run_dir={run}", "rollout.env=learn2ask"]:
+            args += ["--set", override]
+        return CliRunner().invoke(app, [*args, "--set", f"rollout.env_options={{cases: {cases}}}"])
+
+    result = train(tmp_path / "run", CASES)
+    assert result.exit_code == 0, result.output
+    assert "finished at step 4" in result.output
+    bad = train(tmp_path / "bad", tmp_path / "missing.jsonl")
+    assert bad.exit_code != 0
+    assert "missing.jsonl" in bad.output and not (tmp_path / "bad" / "metrics.jsonl").exists()

@@ -4,7 +4,11 @@ rollout the judge flags as malformed is left out of its pack's advantage group (
 
 from __future__ import annotations
 
+import json
 import random
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 from cod_fast.algo.advantages import cod_returns, group_advantages
 from cod_fast.algo.assign import assign_advantages
 from cod_fast.config import AlgoConfig, ConfigError, EnvEntry, RolloutConfig
+from cod_fast.config_io import load_config
 from cod_fast.envs import make_env, register
 from cod_fast.envs.base import Environment, Task
 from cod_fast.envs.judge import Judge, JudgeError, JudgeQuery, Verdict
@@ -20,7 +25,9 @@ from cod_fast.records import Episode, Rollout, Turn
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.sampler import TextPolicySampler
+from cod_fast.trainer import Trainer
 from tests.rollout_helpers import CHATML, GuessEnv, GuessTask, char_tokenizer, guess_policy
+from tests.test_trainer import FAST, metrics
 
 
 class JudgedGuessTask(GuessTask):
@@ -237,3 +244,59 @@ def test_config_refuses_an_unusable_judge(spec, words):
     with pytest.raises(ConfigError, match=r"^judge: ") as info:
         RolloutConfig(judge=spec)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+class GradingHandler(BaseHTTPRequestHandler):
+    """An OpenAI-compatible judge that grades learn2ask the way its rule does (the reference's
+    condition against the final answer) and flags every 7th episode as malformed."""
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        user = body["messages"][1]["content"]
+        condition = re.search(r"condition: ([^;]+);", user).group(1)
+        answer = user.rsplit("Final answer: ", 1)[1].strip()
+        self.server.asked.append((body["model"], condition, answer))
+        score = f"<score>{int(answer == condition)}</score>"
+        flag = " <malformed/>" if len(self.server.asked) % 7 == 0 else ""
+        reply = json.dumps({"choices": [{"message": {"content": score + flag}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, format, *args) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path):
+    """tiny-cpu on learn2ask at test size with an OpenAI-compatible judge served on the loopback
+    address: every finished solve episode is sent to it (with rollout.judge_model), the run
+    trains to its end, and the RL steps log the flagged share and leave those rollouts (and any
+    pack left with one member) untrained, more of them than were flagged never."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), GradingHandler)
+    server.asked = []
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        overrides = [
+            *FAST,
+            f"runtime.run_dir={tmp_path / 'run'}",
+            "rollout.env=learn2ask",
+            f"rollout.judge={url}",
+            "rollout.judge_model=grader",
+            "train.steps=3",
+        ]
+        Trainer(load_config("tiny-cpu", overrides=overrides)).run()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert server.asked and {model for model, _, _ in server.asked} == {"grader"}
+    rl = [r for r in metrics(tmp_path / "run") if r["phase"] == "rl"]
+    assert len(rl) == 3
+    rollouts = 2 * 2  # packs_per_step x group_size at test size
+    flagged = [round(r["malformed_frac"] * rollouts) for r in rl]
+    assert sum(flagged) > 0, rl
+    for r, count in zip(rl, flagged, strict=True):
+        assert count <= r["ungraded_rollouts"] <= rollouts
