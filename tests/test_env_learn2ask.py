@@ -12,16 +12,10 @@ import pytest
 
 from cod_fast.diagnostics import hint_check
 from cod_fast.envs.base import MAX_ACTION_CHARS, Agent, play_pack, play_task
+from cod_fast.envs.cases import CasesError, load_cases
 from cod_fast.envs.check import check_fuzz
 from cod_fast.envs.judge import RuleJudge
-from cod_fast.envs.learn2ask import (
-    SHAPES,
-    CasesError,
-    Learn2AskEnv,
-    Learn2AskExplorer,
-    load_cases,
-    parse_action,
-)
+from cod_fast.envs.learn2ask import SHAPES, Learn2AskEnv, Learn2AskExplorer, parse_action
 
 COMBOS = [(size, setting) for size in ("tiny", "full") for setting in ("train", "eval")]
 CASES = Path(__file__).parent / "data" / "learn2ask_cases.jsonl"

@@ -21,7 +21,7 @@ names conditions and findings by words. `tiny` is for a ~0.35M-parameter model: 
 `a b c` (eval `a b c d`), findings `1`-`5` (eval `1`-`6`), each condition showing one finding of
 its own, one-word observations and a one-line feedback.
 
-User cases (`cases=`, a JSONL file read by `load_cases`) replace the built-in packs: a pack is a
+User cases (`cases=`, a JSONL file read by cod_fast.envs.cases.load_cases) replace the built-in packs: a pack is a
 group of cases, a task one case of it, the candidates its answer and distractors.
 
 Hints are scored entry by entry (cod_fast.diagnostics): an entry is a condition and the findings
@@ -31,11 +31,9 @@ explorer writes them.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from cod_fast.envs.base import (
     MAX_ACTION_CHARS,
@@ -48,6 +46,7 @@ from cod_fast.envs.base import (
     rng_for,
     too_long,
 )
+from cod_fast.envs.cases import MAX_NAME_CHARS, Case, load_cases, normalise
 from cod_fast.envs.judge import JudgeQuery, Verdict
 
 CONDITIONS = (
@@ -59,9 +58,6 @@ FINDINGS = (
     "nausea", "chills", "fatigue", "congestion", "dizziness", "vomiting", "swelling",
 )  # fmt: skip
 LETTERS = "abcd"
-MAX_NAME_CHARS = 40
-"""The longest condition or finding name read (a longer `ask` is a malformed action)."""
-_NAME_RE = re.compile(r"[a-z0-9][a-z0-9 '-]*")
 _TINY_TOKEN_RE = re.compile(r"([a-d])(\d|\?)|\?(\d+)")
 # `+` is outside the name class, so no two parts of a token can match the same characters.
 _WORD_TOKEN_RE = re.compile(r"([a-z0-9_'-]+|\?)=([a-z0-9_'-]+(?:\+[a-z0-9_'-]+)*)")
@@ -103,11 +99,6 @@ SHAPES: dict[tuple[Size, Setting], AskShape] = {
 }
 
 
-def normalise(name: str) -> str:
-    """Names are matched in lower case with runs of whitespace made one space."""
-    return " ".join(name.split()).lower()
-
-
 def parse_action(action: str) -> tuple[str, str] | None:
     """`ask FINDING` or `answer CONDITION` -> (command, normalised name); None when neither.
     Forgives case, whitespace, quotes or backticks around it and a trailing period."""
@@ -122,80 +113,6 @@ def parse_action(action: str) -> tuple[str, str] | None:
 def _reply_of(observation: str) -> str | None:
     text = observation.lower()
     return next((reply for reply in ("not sure", "yes", "no") if text.startswith(reply)), None)
-
-
-@dataclass(frozen=True)
-class Case:
-    """One consultation: the patient's findings, the right condition and the wrong candidates."""
-
-    facts: dict[str, str]
-    """Normalised finding -> `yes` or `no`; the patient is `not sure` about any other."""
-    answer: str
-    distractors: tuple[str, ...]
-    group: str = ""
-    """Cases of one group form the packs of that group."""
-
-
-class CasesError(ValueError):
-    """A cases file that cannot be used; one line naming the file, the line, the field, the fix."""
-
-
-def _name(where: str, field: str, value: object) -> str:
-    name = normalise(value) if isinstance(value, str) else ""
-    if not (_NAME_RE.fullmatch(name) and len(name) <= MAX_NAME_CHARS):
-        raise CasesError(
-            f"{where}: field '{field}' has {value!r}; write a name of letters, digits, spaces, "
-            f"' and - (at most {MAX_NAME_CHARS} characters)"
-        )
-    return name
-
-
-def _case(where: str, text: str) -> Case:
-    try:
-        row = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-        raise CasesError(f"{where}: not JSON ({why}); write one JSON object per line") from e
-    if not isinstance(row, dict):
-        raise CasesError(f'{where}: not a JSON object; write {{"facts": ..., "answer": ...}}')
-    for field in ("facts", "answer", "distractors"):
-        if field not in row:
-            raise CasesError(f"{where}: missing field '{field}'; add it")
-    facts = row["facts"]
-    if not (isinstance(facts, dict) and facts) or any(
-        not isinstance(v, str) or v.lower() not in ("yes", "no") for v in facts.values()
-    ):
-        raise CasesError(
-            f"{where}: field 'facts' is not a map of findings to yes or no; write e.g. "
-            '{"fever": "yes", "cough": "no"}'
-        )
-    answer, distractors = _name(where, "answer", row["answer"]), row["distractors"]
-    if not (isinstance(distractors, list) and distractors):
-        raise CasesError(f"{where}: field 'distractors' lists no condition; list at least 1")
-    names = [_name(where, "distractors", d) for d in distractors]
-    if answer in names or len(set(names)) < len(names):
-        raise CasesError(
-            f"{where}: field 'distractors' repeats the answer or a condition; list each once"
-        )
-    group = row.get("group", "")
-    if not isinstance(group, str):
-        raise CasesError(f"{where}: field 'group' is {group!r}; write a name or leave it out")
-    facts = {_name(where, "facts", k): v.lower() for k, v in facts.items()}
-    return Case(facts, answer, tuple(names), group)
-
-
-def load_cases(path: str | Path) -> list[Case]:
-    """The cases of a JSONL file, one JSON object per line (blank lines skipped), e.g.
-    `{"facts": {"fever": "yes"}, "answer": "flu", "distractors": ["cold"], "group": "g"}` with
-    `group` optional. CasesError, in one line, for anything else."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CasesError(f"{path}: cannot read it ({type(e).__name__}); pass a JSONL file") from e
-    cases = [_case(f"{path}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
-    if not cases:
-        raise CasesError(f"{path}: no cases; write one JSON object per line")
-    return cases
 
 
 def best_split(
