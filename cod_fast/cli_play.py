@@ -29,7 +29,10 @@ def _print_positions(title: str, label: str, rows: dict) -> None:
         table.add_column(f"pos {k}", justify="right")
     table.add_column("CoD gain", justify="right")
     for name, summary in rows.items():
-        table.add_row(name, *(f"{x:.3f}" for x in summary.mean_reward), f"{summary.cod_gain:+.3f}")
+        gain = f"{summary.cod_gain:+.3f}"
+        if summary.gain_std_error is not None:  # over packs
+            gain += f" +- {summary.gain_std_error:.3f}"
+        table.add_row(name, *(f"{x:.3f}" for x in summary.mean_reward), gain)
     Console().print(table)
 
 
