@@ -53,7 +53,7 @@ def test_learning_arms_start_from_one_checkpoint_and_are_paired(tmp_path, capsys
     "before" rows are identical); the async arm logs its staleness; the paired difference is
     the per-seed difference of the changes."""
     toy = [o for o in FAST if not o.startswith(("train.", "runtime."))]
-    argv = ["--models", "", "--learn-seeds", "0,1", "--learn-warm-steps", "2"]
+    argv = ["--models", "", "--learn-seeds", "1", "--learn-warm-steps", "2"]
     argv += ["--learn-steps", "3", "--learn-staleness", "1", "--eval-packs", "2"]
     argv += ["--out", str(tmp_path), *(a for o in toy for a in ("--set", o))]
     summary = async_rl.main(argv)
@@ -61,7 +61,7 @@ def test_learning_arms_start_from_one_checkpoint_and_are_paired(tmp_path, capsys
     learning = summary["learning"]
     assert list(learning["arms"]) == ["K=0", "K=1"]
     runs = tmp_path / "runs"
-    for seed in (0, 1):
+    for seed in (1,):
         sync = [json.loads(line) for line in (runs / f"learn-K0-seed{seed}" / "eval.jsonl").open()]
         split = [json.loads(line) for line in (runs / f"learn-K1-seed{seed}" / "eval.jsonl").open()]
         assert sync[0] == split[0]
@@ -72,7 +72,7 @@ def test_learning_arms_start_from_one_checkpoint_and_are_paired(tmp_path, capsys
     change = {
         arm: [a["cod_gain"] - b["cod_gain"] for a, b in pairs]
         for arm, pairs in (
-            (name, [(evals(runs, name, s, -1), evals(runs, name, s, 0)) for s in (0, 1)])
+            (name, [(evals(runs, name, s, -1), evals(runs, name, s, 0)) for s in (1,)])
             for name in ("K0", "K1")
         )
     }

@@ -499,24 +499,20 @@ def test_explorer_reads_wrong_hints_without_harm(size):
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_user_cases_and_refuses_a_bad_file_before_starting(tmp_path):
-    """`cod-fast train` on learn2ask with `rollout.env_options={cases: FILE}`: the warm start
-    imitates the explorer on the user's cases and RL runs to its end; the same run with a
-    missing file stops before writing anything, in one line naming the file."""
+def test_a_run_refuses_a_bad_cases_file_before_starting(tmp_path):
+    """`cod-fast train` on learn2ask with `rollout.env_options={cases: FILE}` and a missing
+    file stops before writing anything, in one line naming the key and the file (a run on
+    a good file: tests/test_judged_rollouts.py)."""
     from typer.testing import CliRunner
 
     from cod_fast.cli import app
-    from tests.test_trainer import FAST
 
-    def train(run, cases):
-        args = ["train", "--preset", "tiny-cpu"]
-        for override in [*FAST, f"runtime.run_dir={run}", "rollout.env=learn2ask"]:
-            args += ["--set", override]
-        return CliRunner().invoke(app, [*args, "--set", f"rollout.env_options={{cases: {cases}}}"])
-
-    result = train(tmp_path / "run", CASES)
-    assert result.exit_code == 0, result.output
-    assert "finished at step 4" in result.output
-    bad = train(tmp_path / "bad", tmp_path / "missing.jsonl")
-    assert bad.exit_code != 0
-    assert "missing.jsonl" in bad.output and not (tmp_path / "bad" / "metrics.jsonl").exists()
+    run, cases = tmp_path / "bad", tmp_path / "missing.jsonl"
+    args = ["train", "--preset", "tiny-cpu", "--set", f"runtime.run_dir={run}"]
+    args += ["--set", "rollout.env=learn2ask", "--set", f"rollout.env_options={{cases: {cases}}}"]
+    bad = CliRunner().invoke(app, args)
+    assert bad.exit_code == 2, bad.output
+    line = bad.output.strip()
+    assert "\n" not in line and line.startswith("error: rollout.env_options: environment learn2ask")
+    assert "missing.jsonl" in line
+    assert not run.exists() or [p.name for p in run.iterdir()] == [".lock"]

@@ -19,6 +19,7 @@ from cod_fast.config import AlgoConfig, ConfigError, EnvEntry, RolloutConfig
 from cod_fast.config_io import load_config
 from cod_fast.envs import make_env, register
 from cod_fast.envs.base import Environment, Task
+from cod_fast.envs.cases import load_cases
 from cod_fast.envs.judge import Judge, JudgeError, JudgeQuery, Verdict
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.records import Episode, Rollout, Turn
@@ -27,6 +28,7 @@ from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.sampler import TextPolicySampler
 from cod_fast.trainer import Trainer
 from tests.rollout_helpers import CHATML, GuessEnv, GuessTask, char_tokenizer, guess_policy
+from tests.test_env_learn2ask import CASES
 from tests.test_trainer import FAST, metrics
 
 
@@ -271,10 +273,12 @@ class GradingHandler(BaseHTTPRequestHandler):
 
 @pytest.mark.slow
 def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path):
-    """tiny-cpu on learn2ask at test size with an OpenAI-compatible judge served on the loopback
-    address: every finished solve episode is sent to it (with rollout.judge_model), the run
-    trains to its end, and the RL steps log the flagged share and leave those rollouts (and any
-    pack left with one member) untrained, more of them than were flagged never."""
+    """tiny-cpu at test size on learn2ask with the user cases of tests/data (warm start on the
+    explorer's play of them, then RL) and an OpenAI-compatible judge served on the loopback
+    address: every finished solve episode is sent to it (with rollout.judge_model, about the
+    user's cases), the run trains to its end, and the RL steps log the flagged share and leave
+    those rollouts (and any pack left with one member) untrained, more of them than were
+    flagged never."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), GradingHandler)
     server.asked = []
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
@@ -284,6 +288,7 @@ def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path)
             *FAST,
             f"runtime.run_dir={tmp_path / 'run'}",
             "rollout.env=learn2ask",
+            f"rollout.env_options={{cases: {CASES}}}",
             f"rollout.judge={url}",
             "rollout.judge_model=grader",
             "train.steps=3",
@@ -293,6 +298,7 @@ def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path)
         server.shutdown()
         server.server_close()
     assert server.asked and {model for model, _, _ in server.asked} == {"grader"}
+    assert {condition for _, condition, _ in server.asked} <= {c.answer for c in load_cases(CASES)}
     rl = [r for r in metrics(tmp_path / "run") if r["phase"] == "rl"]
     assert len(rl) == 3
     rollouts = 2 * 2  # packs_per_step x group_size at test size

@@ -1,4 +1,5 @@
 """Priority replay against no replay from one tiny-cpu warm start (3 seeds, paired)."""
+
 import json
 import sys
 from pathlib import Path
