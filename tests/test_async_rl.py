@@ -117,6 +117,13 @@ def _signal_worker(
     pid = _worker_pid(run_dir)
     assert pid is not None
     os.kill(pid, sig)
+    if sig == signal.SIGSTOP:  # once the trainer is gone, let the stopped worker take the
+        trainer = _rank_pid(run_dir, 0)  # SIGTERM torchrun sends (else it waits 30 s to kill)
+        while trainer is not None and Path(f"/proc/{trainer}").exists():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGCONT)
     try:
         stdout, stderr = proc.communicate(timeout=200)
     except subprocess.TimeoutExpired:  # leave no process behind, then fail
@@ -207,6 +214,11 @@ def test_more_rollout_ranks_than_processes_is_one_line(tmp_path):
 
 def _worker_pid(run_dir) -> int | None:
     """The rollout worker (RANK=1) of the torchrun training into `run_dir`."""
+    return _rank_pid(run_dir, 1)
+
+
+def _rank_pid(run_dir, rank: int) -> int | None:
+    """The process of RANK `rank` of the torchrun training into `run_dir`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -215,7 +227,7 @@ def _worker_pid(run_dir) -> int | None:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"RANK=1" in environ and str(run_dir).encode() in cmdline:
+        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline:
             return int(entry)
     return None
 
@@ -287,7 +299,8 @@ def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
 def test_a_hung_worker_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
     """SIGSTOP to the rollout worker (it hangs): after runtime.rollout_timeout_s (10 s) the trainer
     checkpoints every step it trained and stops with one line naming the rank it waited for;
-    torchrun then ends the stopped worker."""
+    torchrun then ends the worker (continued once the trainer is gone, so that it takes
+    torchrun's SIGTERM instead of waiting out torchrun's 30 s before a SIGKILL)."""
     run = tmp_path / "run"
     steps = ["train.steps=400", "runtime.checkpoint_every=5", "runtime.rollout_timeout_s=10"]
     code, said = _signal_worker(run, [*steps, "runtime.rollout_ranks=1"], 6, signal.SIGSTOP)
