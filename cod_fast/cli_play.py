@@ -394,7 +394,8 @@ def eval_command(
         )
         settings = dataclasses.replace(o["settings"], hint_source=hints)
         try:
-            check_hint_source(settings, [make_env(n, o["setting"], o["size"]) for n in envs])
+            made = [make_env(n, o["setting"], o["size"], o["options"].get(n)) for n in envs]
+            check_hint_source(settings, made)
         except ValueError as e:
             fail(str(e))
         plan = EvalPlan(
@@ -404,6 +405,7 @@ def eval_command(
             size=o["size"],
             packs=o["packs"],
             tasks=o["tasks"],
+            options=o["options"],
         )
         working.stage(
             f"evaluating on {', '.join(envs)} ({', '.join(strategies)}): {o['packs']} packs "
@@ -491,7 +493,7 @@ def rollout_command(
     with _Working() as working:
         working.stage(f"loading {model}")
         o, sampler, chat = _model_play(model, flags)
-        environment = make_env(o["env"], o["setting"], o["size"])
+        environment = make_env(o["env"], o["setting"], o["size"], o["options"].get(o["env"]))
         played = make_packs(pack_seeds("eval", count), o["tasks"])
         working.stage(f"playing {count} packs of {o['tasks']} tasks in {o['env']}")
         driver = RolloutDriver(environment, sampler, chat, o["settings"])

@@ -45,8 +45,9 @@ class EvalPlan:
     size: str = "full"
     packs: int = 32
     tasks: int = 4
-    options: dict[str, str] = field(default_factory=dict)
-    """The environments' constructor options (a run's `rollout.env_options`)."""
+    options: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Constructor options by environment name (a run's `rollout.env_options`); an environment
+    not named here is made without any."""
 
 
 def run_eval_plans(cfg: Config) -> list[EvalPlan]:
@@ -60,7 +61,7 @@ def run_eval_plans(cfg: Config) -> list[EvalPlan]:
             size=entry.size,  # type: ignore[arg-type]
             packs=rollout.eval_packs,
             tasks=rollout.tasks_per_pack,
-            options=entry.options,
+            options={entry.name: entry.options},  # type: ignore[dict-item]
         )
         for entry in rollout.environments
     ]
@@ -99,6 +100,7 @@ def eval_defaults(cfg: Config | None) -> dict:
             "top_p": 1.0,
             "seed": 0,
             "settings": DriverSettings(),
+            "options": {},
         }
     plan = run_eval_plans(cfg)[0]  # a mixed-domain run: its first environment
     return {
@@ -110,6 +112,7 @@ def eval_defaults(cfg: Config | None) -> dict:
         "max_response_tokens": cfg.rollout.max_response_tokens,
         **run_eval_sampling(cfg),
         "settings": run_eval_settings(cfg),
+        "options": {e.name: e.options for e in cfg.rollout.environments},
     }
 
 
@@ -151,7 +154,7 @@ def evaluate(
     results: dict[str, dict] = {}
     by_env: dict[str, dict[str, PositionSummary]] = {}
     for name in plan.envs:
-        env = make_env(name, plan.setting, plan.size, plan.options)  # type: ignore[arg-type]
+        env = make_env(name, plan.setting, plan.size, plan.options.get(name))  # type: ignore[arg-type]
         driver = RolloutDriver(env, sampler, chat, settings)
         for strategy in plan.strategies:
             packs = make_packs(pack_seeds("eval", plan.packs), plan.tasks, strategy)  # type: ignore[arg-type]

@@ -84,7 +84,7 @@ def load_player(
         run = read_run_config(folder)
         base = eval_defaults(run)
         given = {k: v for k, v in (flags or {}).items() if v is not None}
-        unknown = set(given) - (base.keys() - {"settings"})
+        unknown = set(given) - (base.keys() - {"settings", "options"})
         if unknown:
             raise ValueError(f"unknown play options {sorted(unknown)}")
         if run is not None and log is not None:
@@ -92,7 +92,8 @@ def load_player(
                 if value != base[key]:
                     log(f"overriding the run's {key}={base[key]!r} with {value!r}")
         o = base | given
-        make_env(o["env"], o["setting"], o["size"])  # a bad name or size fails before loading
+        # A bad name, size or option fails before the model loads.
+        make_env(o["env"], o["setting"], o["size"], o["options"].get(o["env"]))
         o["settings"] = dataclasses.replace(
             o["settings"], max_response_tokens=o["max_response_tokens"]
         )
@@ -202,13 +203,19 @@ def evaluate_matrix(
         for env in envs:
             for strategy in strategies:
                 plan = EvalPlan(
-                    (env,), (strategy,), o["setting"], o["size"], o["packs"], o["tasks"]
+                    (env,),
+                    (strategy,),
+                    o["setting"],
+                    o["size"],
+                    o["packs"],
+                    o["tasks"],
+                    o["options"],
                 )
                 sampler.load_state_dict(stream)  # every cell from the model's fresh eval stream
                 report = evaluate(sampler, chat, plan, o["settings"], on_progress=heard)
                 summary = report["summaries"][env][strategy]
                 cells.append(_cell(label, env, strategy, summary))
-        played = {k: v for k, v in o.items() if k not in ("env", "settings")}
+        played = {k: v for k, v in o.items() if k not in ("env", "settings", "options")}
         settings = dataclasses.asdict(o["settings"])
         rows.append({"label": label, "path": str(model), **played, "settings": settings})
     matrix = {"models": rows, "envs": list(envs), "strategies": list(strategies), "cells": cells}

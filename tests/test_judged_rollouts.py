@@ -12,9 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from cod_fast.algo.advantages import cod_returns, group_advantages
 from cod_fast.algo.assign import assign_advantages
+from cod_fast.cli import app
 from cod_fast.config import AlgoConfig, ConfigError, EnvEntry, RolloutConfig
 from cod_fast.config_io import load_config
 from cod_fast.envs import make_env, register
@@ -278,7 +280,8 @@ def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path)
     address: every finished solve episode is sent to it (with rollout.judge_model, about the
     user's cases), the run trains to its end, and the RL steps log the flagged share and leave
     those rollouts (and any pack left with one member) untrained, more of them than were
-    flagged never."""
+    flagged never; `cod-fast eval` of the run directory then reproduces its last evaluation
+    (the run's cases and judge)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), GradingHandler)
     server.asked = []
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
@@ -294,9 +297,20 @@ def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path)
             "train.steps=3",
         ]
         Trainer(load_config("tiny-cpu", overrides=overrides)).run()
+        trained = len(server.asked)
+        # `cod-fast eval` of the run directory plays as the run evaluated: the same cases (the
+        # run's env_options) and judge, so it reproduces the run's last evaluation.
+        out = tmp_path / "eval"
+        played = CliRunner().invoke(
+            app, ["eval", "--model", str(tmp_path / "run"), "--out", str(out)]
+        )
+        assert played.exit_code == 0, played.output
     finally:
         server.shutdown()
         server.server_close()
+    last = json.loads((tmp_path / "run" / "eval.jsonl").read_text().splitlines()[-1])
+    got = json.loads((out / "eval.json").read_text())["results"]["learn2ask"]["cod"]
+    assert got["mean_reward"] == last["mean_reward"] and len(server.asked) > trained
     assert server.asked and {model for model, _, _ in server.asked} == {"grader"}
     assert {condition for _, condition, _ in server.asked} <= {c.answer for c in load_cases(CASES)}
     rl = [r for r in metrics(tmp_path / "run") if r["phase"] == "rl"]
