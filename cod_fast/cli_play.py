@@ -45,11 +45,26 @@ EnvArgument = Annotated[
 ]
 
 
-def _make_env(name: str, setting: str, size: str):
+EnvOptions = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--option",
+        help="KEY=VALUE for the environment's constructor, repeatable (learn2ask: cases=FILE).",
+    ),
+]
+
+
+def _make_env(name: str, setting: str, size: str, options: list[str] | None = None):
     from cod_fast.envs import make_env
 
+    given = {}
+    for item in options or ():
+        key, sep, value = item.partition("=")
+        if not (sep and key.strip()):
+            fail(f"--option: got {item!r}; expected KEY=VALUE, e.g. cases=my_cases.jsonl")
+        given[key.strip()] = value
     try:
-        return make_env(name, setting, size)  # type: ignore[arg-type]
+        return make_env(name, setting, size, given)  # type: ignore[arg-type]
     except ValueError as e:
         fail(str(e))
 
@@ -81,13 +96,14 @@ def envs_solve(
     tasks: Annotated[int, typer.Option(help="Tasks per pack (K).")] = 4,
     setting: SettingOption = "train",
     size: EnvSizeOption = "full",
+    option: EnvOptions = None,
 ) -> None:
     """Per-position rewards of the scripted solver and explorer (with and without hints)."""
     from cod_fast.envs.base import play_pack
     from cod_fast.envs.packs import pack_seeds
     from cod_fast.metrics import summarize
 
-    environment = _make_env(env, setting, size)
+    environment = _make_env(env, setting, size, option)
     seeds = pack_seeds("eval" if setting == "eval" else "train", packs)
     agents = [("solver", environment.solver, True)] * environment.has_solver()
     agents += [
@@ -143,13 +159,14 @@ def envs_play(
     seed: Annotated[int, typer.Option(help="Pack number (the same number, the same pack).")] = 0,
     setting: SettingOption = "train",
     size: EnvSizeOption = "tiny",
+    option: EnvOptions = None,
 ) -> None:
     """Play a pack in the terminal: actions at the prompt, your own hints between tasks."""
     from cod_fast.envs.packs import pack_seeds
     from cod_fast.rollout.hints import context_line
     from cod_fast.rollout.prompts import PROMPT_STYLES
 
-    environment = _make_env(env, setting, size)
+    environment = _make_env(env, setting, size, option)
     (pack_seed,) = pack_seeds("play", 1, start=seed)
     hints: str | None = None
     console = Console()

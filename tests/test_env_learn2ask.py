@@ -516,3 +516,26 @@ def test_a_run_refuses_a_bad_cases_file_before_starting(tmp_path):
     assert "\n" not in line and line.startswith("error: rollout.env_options: environment learn2ask")
     assert "missing.jsonl" in line
     assert not run.exists() or [p.name for p in run.iterdir()] == [".lock"]
+
+
+def test_envs_commands_take_the_cases_as_an_option():
+    """`cod-fast envs solve learn2ask --option cases=FILE` plays the user's cases (the solver,
+    which reads each case's answer, scores 1 on every task); an option the environment does
+    not take, or one without `=`, is one line and exit code 2."""
+    from typer.testing import CliRunner
+
+    from cod_fast.cli import app
+
+    runner = CliRunner()
+    solve = ["envs", "solve", "learn2ask", "--packs", "4", "--size", "tiny"]
+    played = runner.invoke(app, [*solve, "--option", f"cases={CASES}"])
+    assert played.exit_code == 0, played.output
+    solver = next(line for line in played.output.splitlines() if "solver" in line)
+    assert solver.count("1.000") == 4, played.output
+    for bad, said in (
+        ("colour=red", "takes no option 'colour'; it takes 'cases'"),
+        ("x", "KEY=VALUE"),
+    ):
+        refused = runner.invoke(app, [*solve, "--option", bad])
+        assert refused.exit_code == 2 and said in refused.output, refused.output
+        assert len(refused.output.strip().splitlines()) == 1

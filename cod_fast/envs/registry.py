@@ -118,8 +118,7 @@ def make_env(
     if unknown := sorted(set(options) - set(taken)):
         raise ValueError(
             f"environment {name} takes no option {', '.join(map(repr, unknown))}; it takes "
-            f"{', '.join(map(repr, taken)) or 'none'} (rollout.env_options or the options of an "
-            "entry of rollout.envs)"
+            f"{', '.join(map(repr, taken)) or 'none'}"
         )
     env = cls(setting=setting, size=size, **options)
     if getattr(env, "name", None) != name:
