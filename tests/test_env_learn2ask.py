@@ -14,7 +14,7 @@ from cod_fast.diagnostics import hint_check
 from cod_fast.envs.base import MAX_ACTION_CHARS, Agent, play_pack, play_task
 from cod_fast.envs.cases import CasesError, load_cases
 from cod_fast.envs.check import check_fuzz
-from cod_fast.envs.judge import RuleJudge
+from cod_fast.envs.judge import RuleJudge, Verdict
 from cod_fast.envs.learn2ask import SHAPES, Learn2AskEnv, Learn2AskExplorer, parse_action
 
 COMBOS = [(size, setting) for size in ("tiny", "full") for setting in ("train", "eval")]
@@ -539,3 +539,23 @@ def test_envs_commands_take_the_cases_as_an_option():
         refused = runner.invoke(app, [*solve, "--option", bad])
         assert refused.exit_code == 2 and said in refused.output, refused.output
         assert len(refused.output.strip().splitlines()) == 1
+
+
+def test_a_user_case_takes_a_free_text_answer_for_the_judge():
+    """With user cases an answer outside the candidates is a valid, wrong answer by the rule
+    (not a malformed action) that a judge may credit: its query carries the text, and a verdict
+    of 1 gives 1 less the questions' cost; in a built-in pack the same answer is malformed."""
+    env = Learn2AskEnv("train", "full", cases=str(CASES))
+    task = env.task(3, 0)
+    task.reset()
+    task.step(f"ask {next(iter(task.facts))}")
+    outcome = task.step("answer influenza a")
+    assert outcome.done and outcome.valid and task.success is False
+    query = task.judge_query()
+    assert query.answer == "influenza a" and query.rule.score == 0.0
+    assert task.reward == pytest.approx(-task.shape.cost)
+    assert task.judged_reward(RuleJudge().score(query)) == task.reward
+    assert task.judged_reward(Verdict(1.0)) == pytest.approx(1 - task.shape.cost)
+    built_in = Learn2AskEnv("train", "full").task(3, 0)
+    built_in.reset()
+    assert not built_in.step("answer influenza a").valid

@@ -21,8 +21,10 @@ names conditions and findings by words. `tiny` is for a ~0.35M-parameter model: 
 `a b c` (eval `a b c d`), findings `1`-`5` (eval `1`-`6`), each condition showing one finding of
 its own, one-word observations and a one-line feedback.
 
-User cases (`cases=`, a JSONL file read by cod_fast.envs.cases.load_cases) replace the built-in packs: a pack is a
-group of cases, a task one case of it, the candidates its answer and distractors.
+User cases (`cases=`, a JSONL file read by cod_fast.envs.cases.load_cases) replace the
+built-in packs: a pack is a group of cases, a task one case of it, the candidates its answer
+and distractors. There an answer may name any condition (free text): a model or endpoint judge
+may credit a synonym, the rule judge only the case's answer.
 
 Hints are scored entry by entry (cod_fast.diagnostics): an entry is a condition and the findings
 it shows, written `a3` at tiny size (a shows 3) and `flu=cough+fever` at full size, as the
@@ -194,7 +196,10 @@ class Learn2AskTask(Task):
         if problem is not None:
             return self._refuse("too_long", f"Invalid action ({problem}): {self.expected}.")
         parsed = parse_action(action)
-        if parsed is None or (parsed[0] == "answer" and parsed[1] not in self.candidates):
+        # A built-in pack's answer must name a candidate; a user case's may name anything
+        # (a model or endpoint judge may credit a synonym; the rule credits the case's answer).
+        named_other = parsed is not None and parsed[1] not in self.candidates
+        if parsed is None or (parsed[0] == "answer" and named_other and self.profiles is not None):
             shown = action.strip()[:40]
             return self._refuse("invalid", f"Invalid action {shown!r}: {self.expected}.")
         command, name = parsed
