@@ -21,7 +21,7 @@ import torch
 from cod_fast.attention import resolve_attn_impl
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
 from cod_fast.distributed import mesh_layout, resolve_device
-from cod_fast.envs import env_class, make_envs
+from cod_fast.envs import Environment, env_class, make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.init_from import check_source
 from cod_fast.model import (
@@ -81,7 +81,7 @@ def preflight(cfg: Config) -> None:
         )
     if cfg.train.init_from is not None and (problem := check_source(cfg.train.init_from)):
         raise ConfigError("train.init_from", problem)
-    _check_environments(cfg)
+    envs = _made_environments(cfg)
     _check_device_dtype(cfg)
     _check_attention(cfg)
     _check_kernel_impls(cfg.runtime.kernel_impl)
@@ -91,18 +91,20 @@ def preflight(cfg: Config) -> None:
     # Only the main process writes the tokenizer (run_tokenizer); the others would train their
     # own copy here for nothing, and the main process's refusal ends the run for all of them.
     if world_size == 1 or _environment_int("RANK", 0) == 0:
-        _check_token_budget(cfg)
+        _check_token_budget(cfg, envs)
 
 
-def _check_environments(cfg: Config) -> None:
-    """Each environment can be made with its options (a learn2ask cases file is read and
-    checked here, before anything is written)."""
+def _made_environments(cfg: Config) -> list[Environment]:
+    """The run's environments, made with their options (a learn2ask cases file is read and
+    checked here, before anything is written); a ConfigError naming the one that fails."""
+    envs = []
     for entry in cfg.rollout.environments:
         try:
-            make_envs([entry])
+            envs += make_envs([entry])
         except ValueError as e:
             key = "rollout.env_options" if not cfg.rollout.envs else "rollout.envs"
             raise ConfigError(key, f"environment {entry.name}: {e}") from None
+    return envs
 
 
 def _environment_int(name: str, default: int) -> int:
@@ -276,8 +278,8 @@ def _check_kernel_impls(kernel_impl: str) -> None:
             raise ConfigError(key, f"{problem}; {fix}")
 
 
-def _check_token_budget(cfg: Config) -> None:
-    floor = _sequence_floor(cfg)
+def _check_token_budget(cfg: Config, envs: list[Environment]) -> None:
+    floor = _sequence_floor(cfg, envs)
     if floor is None:
         return
     tokens, parts = floor
@@ -292,7 +294,7 @@ def _check_token_budget(cfg: Config) -> None:
         )
 
 
-def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
+def _sequence_floor(cfg: Config, envs: list[Environment]) -> tuple[int, str] | None:
     """A lower bound on the longest sequence the run packs, and what it adds up; None when the
     run trains on nothing.
 
@@ -315,7 +317,6 @@ def _sequence_floor(cfg: Config) -> tuple[int, str] | None:
         return None
     if cfg.model.name_or_path != BUILTIN_TINY:
         return 1 + response, f"a prompt of at least 1 token + {response_parts}"
-    envs = make_envs(rollout.environments)
     try:
         tokenizer = run_tokenizer(cfg, envs, DriverSettings.from_config(cfg), is_main=True)
     except (OSError, ValueError) as e:  # an unwritable run folder, a damaged saved tokenizer
