@@ -21,6 +21,7 @@ knows nothing of it.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -235,12 +236,21 @@ def make_judge(
     spec: str, *, model: str | None = None, timeout_s: float = 30.0, max_tokens: int = 64
 ) -> Judge:
     """The judge `spec` names: `rule`, an http(s):// endpoint URL (serving `model`, default
-    "default"), else a model folder. JudgeError, in one line, for a spec `judge_problem`
-    refuses or a model folder that does not load."""
+    "default"), else a model folder (loaded once per process and shared: not to be closed).
+    JudgeError, in one line, for a spec `judge_problem` refuses or a model folder that does not
+    load."""
     if problem := judge_problem(spec):
         raise JudgeError(f"rollout.judge: {problem}")
     if spec == "rule":
         return RuleJudge()
     if _is_url(spec):
         return EndpointJudge(spec, model or "default", timeout_s=timeout_s, max_tokens=max_tokens)
-    return ModelJudge(spec, max_tokens=max_tokens)
+    return _loaded_model_judge(spec, max_tokens)
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_model_judge(path: str, max_tokens: int) -> ModelJudge:
+    """One loaded judge model per process: every rollout driver of a run (training, and each
+    evaluation, which makes a driver per environment) shares it instead of loading the folder
+    again. Its replies depend on the query alone (keyed sampling), so sharing changes none."""
+    return ModelJudge(path, max_tokens=max_tokens)

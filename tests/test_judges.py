@@ -284,7 +284,7 @@ def test_model_folder_that_does_not_load_is_a_one_line_error(folder, tmp_path):
 
 def test_make_judge_builds_each_kind(folder):
     """'rule' is the RuleJudge, an http(s) URL an endpoint (model 'default' unless named), a
-    model folder a ModelJudge."""
+    model folder a ModelJudge, loaded once per process: asked again, the same judge."""
     assert isinstance(make_judge("rule"), RuleJudge)
     endpoint = make_judge("https://judge.example/v1", timeout_s=2.0, max_tokens=9)
     assert isinstance(endpoint, EndpointJudge)
@@ -296,7 +296,7 @@ def test_make_judge_builds_each_kind(folder):
     assert make_judge("http://127.0.0.1:8000/v1", model="judge-7b").model == "judge-7b"
     judge = make_judge(str(folder), max_tokens=5)
     assert isinstance(judge, ModelJudge) and judge.max_tokens == 5
-    judge.close()
+    assert make_judge(str(folder), max_tokens=5) is judge
 
 
 def bad_specs(tmp_path) -> dict[str, tuple[str, str]]:
