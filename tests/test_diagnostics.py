@@ -14,7 +14,7 @@ from cod_fast.algo.assign import assign_advantages
 from cod_fast.cli import app
 from cod_fast.config import AlgoConfig, ModelConfig
 from cod_fast.diagnostics import HINT_COUNTS, credit_metrics, hint_check, hint_metrics
-from cod_fast.envs.base import MAX_ACTION_CHARS
+from cod_fast.envs.base import MAX_ACTION_CHARS, Environment
 from cod_fast.envs.frozenlake import DIRECTIONS, FrozenLakeEnv
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.model import load_policy
@@ -89,7 +89,7 @@ def test_frozenlake_hint_entries_survive_hostile_text():
     assert env.hint_entries("=" * 500_000 + "4" + "\t" * 500_000) == {}
 
 
-def _explorer_transcripts(env: FrozenLakeEnv, seed: int, tasks: int):
+def _explorer_transcripts(env: Environment, seed: int, tasks: int):
     """The explorer through a pack as the driver plays a model: each task's (task, (observation,
     action) pairs, feedback), and the hints the explorer writes after it."""
     agent, hints, played, written = env.explorer(), None, [], []

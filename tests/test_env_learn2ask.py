@@ -16,6 +16,7 @@ from cod_fast.envs.cases import CasesError, load_cases
 from cod_fast.envs.check import check_fuzz
 from cod_fast.envs.judge import RuleJudge, Verdict
 from cod_fast.envs.learn2ask import SHAPES, Learn2AskEnv, Learn2AskExplorer, parse_action
+from tests.test_diagnostics import _explorer_transcripts
 
 COMBOS = [(size, setting) for size in ("tiny", "full") for setting in ("train", "eval")]
 CASES = Path(__file__).parent / "data" / "learn2ask_cases.jsonl"
@@ -340,21 +341,10 @@ def test_knowable_entries_follow_the_explorer(size, setting):
     profile) exactly what they state."""
     env = Learn2AskEnv(setting, size)
     for pack_seed in range(24):
-        explorer, hints, knowable = env.explorer(), None, {}
-        truth = env.hint_truth(pack_seed)
-        for k in range(K):
-            task = env.task(pack_seed, k)
-            explorer.start(task, hints)
-            observation, steps = task.reset(), []
-            while True:
-                action = explorer.act(observation)
-                steps.append((observation, action))
-                outcome = task.step(action)
-                observation = outcome.observation
-                if outcome.done:
-                    break
-            hints = explorer.write_hints(task, hints)
-            knowable = env.knowable_entries(knowable, task, steps, task.feedback())
+        truth, knowable = env.hint_truth(pack_seed), {}
+        played, written = _explorer_transcripts(env, pack_seed, K)
+        for (task, steps, feedback), hints in zip(played, written, strict=True):
+            knowable = env.knowable_entries(knowable, task, steps, feedback)
             stated = env.hint_entries(hints)
             assert (
                 knowable.items() <= stated.items() and hint_check(truth, knowable, {})["wrong"] == 0
