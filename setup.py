@@ -1,6 +1,9 @@
 """Build of the optional C++ extension `cod_fast._cpp` (the CPU kernels in csrc/cpu/).
 
-Everything else about the package lives in pyproject.toml. The extension is optional: when it
+It also lists the packages, found on disk (a new subpackage can never be left out of a wheel):
+`cod_fast` and every package under it, and the top-level kernels/ and bench/ folders with their
+subpackages, installed as `cod_fast.kernels` and `cod_fast.bench` (pyproject.toml maps the
+folders). Everything else about the package lives in pyproject.toml. The extension is optional: when it
 fails to compile (no compiler, no OpenMP), the package still installs and the pure-torch
 implementation runs instead. It depends on pybind11 only, never on torch headers, so the isolated
 build environment stays small. No -march=native: the kernels carry their own AVX-512 / AVX2 / SSE2
@@ -9,7 +12,19 @@ clones (see rows.cpp), so one build runs on every x86-64 machine.
 
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+INSTALLED_AS = {"kernels": "cod_fast.kernels", "bench": "cod_fast.bench"}
+"""Top-level folders that install under another name (pyproject.toml's package-dir)."""
+
+
+def packages() -> list[str]:
+    """Every package of the distribution: folders with an __init__.py, found on disk."""
+    found = find_packages(include=["cod_fast", "cod_fast.*"])
+    for folder, name in INSTALLED_AS.items():
+        found += [name, *(f"{name}.{sub}" for sub in find_packages(folder))]
+    return found
+
 
 try:
     import pybind11
@@ -49,4 +64,4 @@ if pybind11 is not None:
         )
     )
 
-setup(ext_modules=extensions)
+setup(packages=packages(), ext_modules=extensions)
