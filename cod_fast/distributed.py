@@ -25,15 +25,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from cod_fast import comm_trace
 from cod_fast.config import ConfigError
 from cod_fast.policy import Policy
 
@@ -117,6 +114,7 @@ def init_distributed(
     context has a group and a mesh of the first ranks only (every rank takes part in making
     them, as torch requires), a worker's has role `rollout`."""
     dev = resolve_device(device)
+    comm_trace.install()  # COD_FAST_COMM_TRACE: record this process's traffic (comm_check)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if rollout_ranks and world_size <= rollout_ranks:
         raise ConfigError(
@@ -401,28 +399,79 @@ def _optimizer_mismatch(model: torch.nn.Module, optimizer, state: dict[str, Any]
     )
 
 
+def _optimizer_skeleton(state: dict[str, Any]) -> dict[str, Any]:
+    """What every rank needs of a full optimizer state before its tensors: the hyperparameters,
+    and per parameter each entry as a plain value (scalars: AdamW's step) or the (shape, dtype)
+    of a tensor that follows by broadcast."""
+    slots = {
+        name: {
+            key: (tuple(v.shape), v.dtype)
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+            else (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+            for key, v in entries.items()
+        }
+        for name, entries in state["state"].items()
+    }
+    return {"state": slots, "param_groups": state["param_groups"]}
+
+
 def load_optimizer_state(
     policy: Policy, optimizer: torch.optim.Optimizer, state: dict[str, Any], ctx: DistContext
 ) -> None:
     """The inverse of optimizer_state: a full state on the main rank (others may pass {}),
-    broadcast and sharded like the parameters. ValueError on every rank when it does not fit."""
+    broadcast over the trainers' group one tensor at a time and sharded like the parameters, so
+    no rank holds more than one full tensor of it at once. ValueError on every rank when it
+    does not fit.
+
+    Not torch's set_optimizer_state_dict(broadcast_from_rank0=True): that broadcasts over the
+    default group (torch 2.14 `_broadcast_state_dict(pg=None)`), which holds the rollout workers
+    of an asynchronous run too, and they never join it."""
     _reshard(policy)
-    check = hyper = None
+    check = skeleton = None
     if ctx.is_main:
         check = _optimizer_mismatch(policy.model, optimizer, state)
-        if check is None and not state.get("state"):  # saved before any step: hyperparameters
-            hyper = [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]
-    problem, hyper = broadcast_object((check, hyper), ctx)
+        skeleton = _optimizer_skeleton(state) if check is None else None
+    problem, skeleton = broadcast_object((check, skeleton), ctx)
     if problem is not None:
         raise ValueError(problem)
-    if hyper is not None:
-        # Not through torch's loader: it would first initialise the state with a zero-lr step.
+    params = dict(policy.model.named_parameters())
+    loaded: dict[str, dict[str, Any]] = {}
+    for name, entries in skeleton["state"].items():
+        param, slots = params[name], {}
+        for key, spec in entries.items():
+            if not isinstance(spec, tuple):
+                slots[key] = spec
+                continue
+            shape, dtype = spec
+            if ctx.is_main:  # a copy: the caller's state must not change as training goes on
+                full = state["state"][name][key].to(device=ctx.device, dtype=dtype, copy=True)
+            else:
+                full = torch.empty(shape, dtype=dtype, device=ctx.device)
+            if ctx.distributed:
+                dist.broadcast(full, src=0, group=ctx.group)
+            if isinstance(param, DTensor) and tuple(param.shape) == shape:
+                full = distribute_tensor(
+                    full, param.device_mesh, param.placements, src_data_rank=None
+                )
+            slots[key] = full
+        loaded[name] = slots
+    if not loaded:  # saved before any step: hyperparameters only, and a fresh optimizer
         optimizer.state.clear()
-        for group, saved in zip(optimizer.param_groups, hyper, strict=True):
-            group.update(saved)
+        for group, saved in zip(optimizer.param_groups, skeleton["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
         return
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=ctx.distributed)
-    set_optimizer_state_dict(policy.model, optimizer, _own_copy(state, ctx.device), options=options)
+    # torch's own format: parameters numbered in param_groups order (names checked above).
+    index = {
+        name: i for i, name in enumerate(n for g in skeleton["param_groups"] for n in g["params"])
+    }
+    optimizer.load_state_dict(
+        {
+            "state": {index[name]: slots for name, slots in loaded.items()},
+            "param_groups": [
+                {**g, "params": [index[n] for n in g["params"]]} for g in skeleton["param_groups"]
+            ],
+        }
+    )
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:

@@ -223,6 +223,13 @@ class Trainer:
         )
         self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
         self.batches = batches or LocalBatches(cfg, self.driver, self.ctx)
+        # With rollout workers this process's samplers only evaluate: they get the weights
+        # before an evaluation and sleep after it, instead of after every step. (vLLM's
+        # external launcher makes its groups over every rank of the job, so a trainer still
+        # starts an engine when the workers do.)
+        self.local_sampling = self.ctx.rollout_ranks == 0
+        self.sampler_step: int | None = None
+        """The step whose weights the sampler holds (None: not pushed yet)."""
         if cfg.train.replay_batches:
             self.batches = ReplayBatches(self.batches, cfg.train)
         self.teachers = (
@@ -274,9 +281,15 @@ class Trainer:
         return train.lr * min(1.0, rl_step / max(train.lr_warmup, 1))
 
     def _sync_sampler(self) -> None:
-        """Push the policy's weights into a sampler that holds its own copy."""
-        if self.samplers.owns_weights:
+        """Push the policy's weights into a sampler that holds its own copy, unless it holds
+        this step's already."""
+        if self.samplers.owns_weights and self.sampler_step != self.step:
             self.sampler.push_weights(full_parameters(self.policy))
+            self.sampler_step = self.step
+
+    def _sleep_sampler(self) -> None:
+        if hasattr(self.sampler, "sleep"):  # vLLM frees its memory for training
+            self.sampler.sleep()
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -293,7 +306,8 @@ class Trainer:
         started = time.perf_counter()
         self.on_eval = on_eval
         self._restore_or_start(resume)
-        self._sync_sampler()
+        if self.local_sampling:
+            self._sync_sampler()
         if self.step == 0:
             self._evaluate("start")
         previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
@@ -376,8 +390,8 @@ class Trainer:
             graded = [r for r in trained if r.graded]  # judge-flagged rollouts left out
             extra["malformed_frac"] = _mean([float(r.malformed) for r in rollouts])
             extra["ungraded_rollouts"] = len(trained) - len(graded)
-            if hasattr(self.sampler, "sleep"):  # vLLM frees its memory for training
-                self.sampler.sleep()
+            if self.local_sampling:
+                self._sleep_sampler()
             update = (
                 self._update(graded, self.cfg.algo.loss, self.cfg.train.mini_batches)
                 if graded
@@ -385,7 +399,9 @@ class Trainer:
             )
         t_trained = time.perf_counter()
         self.step += 1
-        if self.step >= self.warm_steps:  # the next step (or the last eval) samples
+        if (
+            self.step >= self.warm_steps and self.local_sampling
+        ):  # the next step (or last eval) samples
             self._sync_sampler()
         if not warm:
             self.batches.trained(self.step - self.warm_steps, self.policy)
@@ -547,6 +563,7 @@ class Trainer:
             for name, settings in modes.items()
             for plan in run_eval_plans(cfg)
         ]
+        self._sync_sampler()
         for done, (name, settings, plan) in enumerate(parts):
             (env,) = plan.envs
             progress = EvalProgress(name, self.step, env, plan.packs, done, len(parts))
@@ -555,6 +572,8 @@ class Trainer:
             summary = report["summaries"][env]["cod"]
             self.log.evaluation(name, self.step, summary, env=env)
             self._report_eval(dataclasses.replace(progress, done=done + 1, summary=summary))
+        if not self.local_sampling:
+            self._sleep_sampler()
 
     def _report_eval(self, progress: EvalProgress) -> None:
         if self.on_eval is not None:

@@ -31,7 +31,7 @@ def start_roles(cfg: Config):
         one_rank_mesh=master_dtype(cfg.model, cfg.train.master_dtype, device) != compute,
         rollout_ranks=runtime.rollout_ranks,
     )
-    groups = make_groups(runtime.rollout_ranks, runtime.dist_timeout_s)
+    groups = make_groups(runtime.rollout_ranks, runtime.dist_timeout_s, runtime.rollout_timeout_s)
     if ctx.role == "rollout":
         return RolloutWorker(cfg, ctx, groups)
     return Trainer(cfg, ctx, batches=RemoteBatches(cfg, ctx, groups, compute))

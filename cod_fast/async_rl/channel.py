@@ -4,10 +4,15 @@ Ranks 0..T-1 train, ranks T..W-1 sample. Three groups besides the trainers' own,
 same order on every rank (torch requires every rank to take part in making a group):
 - `workers`: the rollout workers (their samplers' barriers);
 - `weights`: trainer 0 and the workers, for broadcasts of the policy (NCCL on GPUs, gloo on
-  the CPU), one per parameter, started without waiting (`async_op`) so the trainer trains on
-  while the workers take them when they need them;
-- `batches`: the same ranks over gloo, for pickled objects: each worker's batches to trainer 0,
-  received by a thread into a queue, so that a worker ahead of the trainer never waits for it.
+  the CPU), one per parameter. Trainer 0 copies each version it will send as it trains it, and
+  broadcasts the copy only once every worker waits for it (the worker has sent the batch before
+  the first one sampled with that version), then waits for the broadcast: no broadcast stays in
+  flight while trainer 0 uses its other groups or synchronises the device (torch requires async
+  work to be waited for before another group is used), so its wait there is bounded;
+- `batches`: every rank over gloo, used by trainer 0 and the workers for pickled objects: each
+  worker's batches to trainer 0, received by a thread into a queue, so that a worker ahead of
+  the trainer never waits for it. The other trainers are members only so that making the group
+  is balanced on GPUs (`make_groups`).
 No other transport: no sockets, no files.
 """
 
@@ -53,18 +58,24 @@ LONG_WAIT = timedelta(days=7)
 and every evaluation; the trainer bounds its own waits (runtime.rollout_timeout_s)."""
 
 
-def make_groups(rollout_ranks: int, timeout_s: float) -> Groups:
+def make_groups(rollout_ranks: int, timeout_s: float, rollout_timeout_s: float) -> Groups:
     """Every rank calls this once, right after init_distributed, in the same order;
-    `timeout_s` bounds the workers' own collectives."""
+    `timeout_s` bounds the workers' own collectives, `rollout_timeout_s` trainer 0's wait for
+    the workers in a weight broadcast (they are known to wait for it when it starts; a worker
+    itself waits there through the warm start and every evaluation)."""
     world_size = dist.get_world_size()
     trainers = world_size - rollout_ranks
     workers = list(range(trainers, world_size))
-    timeout = timedelta(seconds=timeout_s)
     rank = dist.get_rank()
+    weights_wait = timedelta(seconds=rollout_timeout_s) if rank == 0 else LONG_WAIT
     made = {
-        "workers": dist.new_group(workers, timeout=timeout),
-        "weights": dist.new_group([0, *workers], timeout=LONG_WAIT),
-        "batches": dist.new_group([0, *workers], timeout=LONG_WAIT, backend="gloo"),
+        "workers": dist.new_group(workers, timeout=timedelta(seconds=timeout_s)),
+        "weights": dist.new_group([0, *workers], timeout=weights_wait),
+        # Every rank a member. On GPUs the default group is bound to the device, and torch 2.14
+        # (distributed_c10d._new_process_group_helper) has every rank that is not a member of a
+        # new group split the default NCCL communicator, while the members of a gloo group do
+        # not: with trainers 1..T-1 left out, they would block in that split.
+        "batches": dist.new_group(list(range(world_size)), timeout=LONG_WAIT, backend="gloo"),
     }
     member = {"workers": rank in workers, "weights": rank == 0 or rank in workers}
     member["batches"] = member["weights"]
@@ -117,36 +128,37 @@ def send_batch(part: WorkerBatch, group: dist.ProcessGroup) -> None:
 
 
 class WeightPublisher:
-    """Trainer 0's side of the weight broadcasts: each publish copies the parameters (in the
-    workers' dtype) and starts one broadcast per parameter without waiting for it. A worker
-    takes a version only when a batch needs it, up to max_staleness + 1 publishes later, so
-    up to `depth` publishes stay in flight (each holding its copy of the weights) before a new
-    one waits for the oldest; in steady state none waits."""
+    """Trainer 0's side of the weight broadcasts. `publish` copies a trained version (in the
+    workers' dtype) with the batch after which the workers wait for it; `flush` broadcasts, in
+    order, every copied version whose batch has arrived, and waits for each broadcast before it
+    returns. A run that stops drops the copies no worker waits for."""
 
-    def __init__(self, group: dist.ProcessGroup | None, dtype: torch.dtype, depth: int = 1):
-        self.group, self.dtype, self.depth = group, dtype, max(1, depth)
-        self.pending: deque[list[tuple[torch.Tensor, Any]]] = deque()
+    def __init__(self, group: dist.ProcessGroup | None, dtype: torch.dtype):
+        self.group, self.dtype = group, dtype
+        self.pending: deque[tuple[int, list[torch.Tensor]]] = deque()
+        """(ready after batch, the copies of the parameters) of each version not sent yet."""
 
-    def publish(self, parameters: Iterable[tuple[str, torch.Tensor]], is_main: bool) -> None:
+    def publish(
+        self, parameters: Iterable[tuple[str, torch.Tensor]], is_main: bool, ready_after: int
+    ) -> None:
         """Every trainer rank calls this with `full_parameters(policy)` (its gathers are
-        collectives of the trainers); only the main rank broadcasts."""
-        while len(self.pending) >= self.depth:
-            self._wait_oldest()
-        started = []
-        for _, tensor in parameters:
-            if is_main:
-                copy = tensor.detach().to(dtype=self.dtype, copy=True).contiguous()
-                started.append((copy, dist.broadcast(copy, src=0, group=self.group, async_op=True)))
-        self.pending.append(started)
+        collectives of the trainers); only the main rank keeps the copies."""
+        copies = [
+            tensor.detach().to(dtype=self.dtype, copy=True).contiguous()
+            for _, tensor in parameters
+            if is_main
+        ]
+        if is_main:
+            self.pending.append((ready_after, copies))
 
-    def _wait_oldest(self) -> None:
-        for _, work in self.pending.popleft():
-            work.wait()
-
-    def wait(self) -> None:
-        """Until every publish has been taken."""
-        while self.pending:
-            self._wait_oldest()
+    def flush(self, arrived: int) -> None:
+        """Send every version whose workers wait for it: its batch `ready_after` <= `arrived`,
+        the last batch every worker has sent."""
+        while self.pending and self.pending[0][0] <= arrived:
+            _, copies = self.pending.popleft()
+            works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in copies]
+            for work in works:  # one pipeline of broadcasts, all done before anything else
+                work.wait()
 
 
 def receive_weights(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
@@ -161,8 +173,10 @@ class BatchReceiver:
     """Trainer 0's side of the batches: a thread receives every worker's parts in batch order
     into a queue; `get` waits for one whole batch."""
 
-    def __init__(self, group: dist.ProcessGroup, worker_ranks: list[int], batches: int):
+    def __init__(self, group: dist.ProcessGroup, worker_ranks: list[int], first: int, batches: int):
         self.group, self.ranks = group, worker_ranks
+        self.arrived = first - 1
+        """The last batch every worker's part of has arrived (set by the thread)."""
         self.queue: queue.Queue[WorkerBatch | BaseException] = queue.Queue()
         self.thread = threading.Thread(target=self._receive, args=(batches,), daemon=True)
         self.thread.start()
@@ -174,18 +188,27 @@ class BatchReceiver:
                     box: list[Any] = [None]
                     dist.recv_object_list(box, src=rank, group=self.group)
                     self.queue.put(box[0])
+                self.arrived = box[0].batch
         except BaseException as exc:  # the main thread reports it, with the step it was at
             self.queue.put(exc)
 
-    def get(self, batch: int, timeout_s: float, stop: Callable[[], bool]) -> list[WorkerBatch]:
+    def get(
+        self,
+        batch: int,
+        timeout_s: float,
+        stop: Callable[[], bool],
+        idle: Callable[[], None] = lambda: None,
+    ) -> list[WorkerBatch]:
         """Every worker's part of `batch` (they arrive in batch order); raises
         RolloutWorkerError when a worker failed, the connection broke, or nothing came for
-        `timeout_s` seconds. `stop()` true (a signal) ends the wait the same way."""
+        `timeout_s` seconds. `stop()` true (a signal) ends the wait the same way; `idle()` runs
+        before every wait (the weight broadcasts that batches just arrived make due)."""
         parts: list[WorkerBatch] = []
         deadline = time.monotonic() + timeout_s
         while len(parts) < len(self.ranks):
+            idle()
             try:
-                item = self.queue.get(timeout=1.0)
+                item = self.queue.get(timeout=0.2)
             except queue.Empty:
                 if stop():
                     raise RolloutWorkerError(f"stopped while waiting for batch {batch}") from None

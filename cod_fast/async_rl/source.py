@@ -2,8 +2,10 @@
 
 A `cod_fast.batches.BatchSource`, like `LocalBatches`. The first `next` tells the workers where
 RL starts and broadcasts the weights they start from; every batch then comes from the workers'
-queue, tagged with the version it was sampled with, and after each update `trained` broadcasts
-the new weights when the staleness rule (cod_fast.async_rl.staleness) says a batch needs them.
+queue, tagged with the version it was sampled with. After each update `trained` copies the new
+weights when the staleness rule (cod_fast.async_rl.staleness) says a batch needs them; trainer 0
+broadcasts a copy once the workers wait for it (the batch before its first batch has arrived),
+checked after each update and while it waits for a batch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from cod_fast.async_rl.channel import (
     WeightPublisher,
     send_start,
 )
-from cod_fast.async_rl.staleness import broadcasts, weights_version
+from cod_fast.async_rl.staleness import broadcasts, ready_after, weights_version
 from cod_fast.batches import Batch, sort_rollouts
 from cod_fast.distributed import DistContext, broadcast_object, full_parameters
 
@@ -44,10 +46,9 @@ class RemoteBatches:
     ):
         self.cfg, self.ctx, self.groups = cfg, ctx, groups
         self.rl_steps = cfg.train.steps
-        self.publisher = WeightPublisher(groups.weights, dtype, cfg.train.max_staleness + 1)
+        self.publisher = WeightPublisher(groups.weights, dtype)
         self.receiver: BatchReceiver | None = None
         self.first: int | None = None
-        self.finished = False
         self.sampler_states: list[Any] | None = None
 
     def _rule(self) -> tuple[int, int, int]:
@@ -61,8 +62,20 @@ class RemoteBatches:
             start = Start(rl_step, self.rl_steps - 1, self.sampler_states)
             send_start(start, self.groups.weights)
             batches = self.rl_steps - rl_step
-            self.receiver = BatchReceiver(self.groups.batches, self.groups.worker_ranks, batches)
-        self.publisher.publish(full_parameters(policy), self.ctx.is_main)
+            self.receiver = BatchReceiver(
+                self.groups.batches, self.groups.worker_ranks, rl_step, batches
+            )
+        self._publish(rl_step, policy)
+
+    def _publish(self, version: int, policy: Policy) -> None:
+        """Copy `version` (every trainer gathers), and send what the workers wait for."""
+        ready = ready_after(version, *self._rule())
+        self.publisher.publish(full_parameters(policy), self.ctx.is_main, ready)
+        self._flush()
+
+    def _flush(self) -> None:
+        if self.receiver is not None:
+            self.publisher.flush(self.receiver.arrived)
 
     def next(self, rl_step: int, policy: Policy, stop: Callable[[], bool]) -> Batch:
         """Batch `rl_step`, as the workers sampled it; `stop()` true (a signal) ends the wait
@@ -74,7 +87,8 @@ class RemoteBatches:
         if self.ctx.is_main:
             assert self.receiver is not None
             try:
-                parts = self.receiver.get(rl_step, self.cfg.runtime.rollout_timeout_s, stop)
+                timeout = self.cfg.runtime.rollout_timeout_s
+                parts = self.receiver.get(rl_step, timeout, stop, idle=self._flush)
             except RolloutWorkerError as exc:
                 got = str(exc)
             else:
@@ -96,7 +110,6 @@ class RemoteBatches:
                 f"{expected} (train.max_staleness={max_staleness}, sync_interval={interval})"
             )
         self.sampler_states = states
-        self.finished = rl_step == self.rl_steps - 1
         return Batch(
             sort_rollouts(rollouts),
             {
@@ -111,7 +124,7 @@ class RemoteBatches:
         """Broadcast `version` if some later batch is sampled with it."""
         max_staleness, interval, first = self._rule()
         if broadcasts(version, self.rl_steps - 1, max_staleness, interval, first):
-            self.publisher.publish(full_parameters(policy), self.ctx.is_main)
+            self._publish(version, policy)
 
     def state(self) -> Any:
         """The workers' sampler states after the last batch trained on: a resumed run's
@@ -122,11 +135,10 @@ class RemoteBatches:
         self.sampler_states = state
 
     def close(self) -> None:
-        """After the last batch, wait for the last broadcast (the workers take every one they
-        need); a run that stopped early leaves it (no worker will take it). A run that never
-        reached RL (a warm start alone, a resume of a finished run, a stop or failure before)
-        tells the workers there is nothing to sample, so they end as it does."""
-        if self.finished:
-            self.publisher.wait()
-        elif self.first is None and self.ctx.is_main:
+        """Drop the copies no worker waits for (after the last batch there are none; a run that
+        stopped early leaves them unsent). A run that never reached RL (a warm start alone, a
+        resume of a finished run, a stop or failure before) tells the workers there is nothing
+        to sample, so they end as it does."""
+        self.publisher.pending.clear()
+        if self.first is None and self.ctx.is_main:
             send_start(Start(first_batch=0, last_batch=-1), self.groups.weights)

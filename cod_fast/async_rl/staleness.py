@@ -10,6 +10,10 @@ where `first` is the version the workers started from (0, or the step a run resu
 b - V(b) <= K always (N <= K + 1), and V(b) <= b: a batch never waits for weights the trainer
 cannot have made yet. The rule takes no account of timing, so a run is the same however fast
 its processes are; K = 0 is the synchronous loop.
+
+A worker takes a version just before the first batch sampled with it, V(b) = v first for
+b = v + K - N + 1, so it waits for v once it has sent batch v + K - N (`ready_after`): the
+trainer broadcasts v only then, and waits for the broadcast before it uses another group.
 """
 
 from __future__ import annotations
@@ -37,3 +41,12 @@ def broadcasts(
     if version <= first or version % sync_interval:
         return False
     return version <= weights_version(last_batch, max_staleness, sync_interval, first)
+
+
+def ready_after(version: int, max_staleness: int, sync_interval: int, first: int = 0) -> int:
+    """The batch after which every worker waits for broadcast `version` (a version the trainer
+    broadcasts: `first`, or a multiple of the interval past it): the one before the first batch
+    sampled with it."""
+    if version <= first:
+        return first - 1
+    return version + max_staleness - sync_interval
