@@ -87,7 +87,9 @@ class LocalBatches:
         """Batch `rl_step`, sampled now with the policy's current weights (`stop`, a signal
         flag, matters to sources that wait)."""
         mine = rl_packs(self.cfg, rl_step)[self.ctx.rank :: self.ctx.world_size]
-        rollouts = self.driver.run(mine, self.cfg.rollout.group_size)
+        rollouts = self.driver.run(
+            mine, self.cfg.rollout.group_size, keyed=self.cfg.rollout.keyed_sampling
+        )
         return Batch(
             sort_rollouts([r for part in gather_objects(rollouts, self.ctx) for r in part])
         )

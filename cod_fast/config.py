@@ -352,6 +352,12 @@ class RolloutConfig(_Config):
     whose evaluations it then shapes: the trainer's log-probs are over the full softmax."""
     eval_temperature: float | None = None
     """Sampling temperature of evaluations; null: `temperature` (training's)."""
+    keyed_sampling: bool = True
+    """Each training response's sampling noise comes from what it answers (the run's seed, its
+    pack, member, position and turn), as in evaluations, so a run's rollouts do not depend on
+    how many processes sample them or which packs share a sampler call: the same run on 1, 2
+    or 8 ranks, with or without rollout workers, samples the same tokens from the same weights.
+    false: one random stream per rank, seeded by the rank."""
     sampler: Literal["auto", "torch", "vllm"] = "auto"
     """Generation backend; `auto` takes the one measured faster on the device
     (cod_fast.rollout.choice; `cod-fast info` says which and why)."""

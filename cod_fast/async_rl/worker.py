@@ -105,7 +105,9 @@ class RolloutWorker:
         t0 = time.perf_counter()
         mine = rl_packs(self.cfg, batch)[self.index :: self.count]
         try:
-            rollouts = self.driver.run(mine, self.cfg.rollout.group_size)
+            rollouts = self.driver.run(
+                mine, self.cfg.rollout.group_size, keyed=self.cfg.rollout.keyed_sampling
+            )
         except Exception as exc:
             text = "".join(traceback.format_exception_only(exc)).strip()
             send_batch(

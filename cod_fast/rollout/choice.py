@@ -96,7 +96,9 @@ def build_samplers(
     compute = resolve_dtype(cfg.model, ctx.device)
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     eval_temperature, eval_seed = eval_sampling["temperature"], eval_sampling["seed"]
-    seed = cfg.train.seed + 1_000 * ctx.rank
+    # Keyed sampling takes each response's noise from (seed, what it answers): one seed for
+    # every rank. A stream per rank otherwise.
+    seed = cfg.train.seed + (0 if cfg.rollout.keyed_sampling else 1_000 * ctx.rank)
     if kind == "vllm":
         from cod_fast.rollout.vllm_sampler import VLLMSampler
 
