@@ -261,8 +261,8 @@ def _record_rollouts(trainer) -> None:
     from cod_fast.rollout.driver import RolloutDriver
 
     class Recorded(RolloutDriver):
-        def run(self, packs, group_size):
-            self.last = super().run(packs, group_size)
+        def run(self, packs, group_size, **options):
+            self.last = super().run(packs, group_size, **options)
             return self.last
 
     recorded = Recorded(trainer.envs, trainer.sampler, trainer.chat, trainer.settings)

@@ -75,13 +75,14 @@ class _Recorder:
         self.file = None
         self.lock = threading.Lock()
         self.local = threading.local()
-        self.groups: dict[int, tuple[Any, int]] = {}
-        """id(ProcessGroup) -> (the group, its index); the group is kept so its id stays its."""
+        self.groups: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        """Each group's index (not holding it: a group outliving the run aborts the process)."""
         self.names: dict[str, int] = {}
         self.made = 0
         self.works = 0
         self.mesh_dims = 0
-        self.pending: list[dict[str, Any]] = []
+        self.early: list[dict[str, Any]] = []
+        """Events before the default group gives the rank (the file's name)."""
         self.work_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         """Each recorded Work's number (Work takes no attributes of its own)."""
 
@@ -89,14 +90,14 @@ class _Recorder:
         with self.lock:
             if self.file is None:  # the rank is known once the default group exists
                 if not dist.is_initialized():
-                    self.pending.append(event)
+                    self.early.append(event)
                     return
                 self.folder.mkdir(parents=True, exist_ok=True)
                 path = self.folder / f"rank-{dist.get_rank()}.jsonl"
                 self.file = path.open("a", buffering=1)
-                for early in self.pending:
+                for early in self.early:
                     self.file.write(json.dumps(early) + "\n")
-                self.pending.clear()
+                self.early.clear()
             self.file.write(json.dumps(event) + "\n")
 
     @property
@@ -114,15 +115,15 @@ class _Recorder:
             return self.group_index(group.get_group())
         if isinstance(group, list):
             return f"ranks {group}"
-        known = self.groups.get(id(group))
-        return known[1] if known else f"unknown {getattr(group, 'group_name', '?')}"
+        known = self.groups.get(group)
+        return known if known is not None else f"unknown {getattr(group, 'group_name', '?')}"
 
     def add_group(self, group: Any, ranks: list[int], backend: str, via: str, **extra) -> None:
         index = self.made
         self.made += 1
         member = isinstance(group, dist.ProcessGroup)
         if member:
-            self.groups[id(group)] = (group, index)
+            self.groups[group] = index
             self.names[group.group_name] = index
         event = {"e": "group", "id": index, "ranks": ranks, "backend": backend, "via": via}
         self.write({**event, "member": member, **extra})

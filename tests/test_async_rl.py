@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cod_fast.async_rl.staleness import broadcasts, next_broadcast, weights_version
+from cod_fast.async_rl.staleness import broadcasts, next_broadcast, ready_after, weights_version
 from cod_fast.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.config import ConfigError
 from cod_fast.config_io import load_config
@@ -55,6 +55,25 @@ def test_the_rule_bounds_staleness_and_the_worker_takes_exactly_the_broadcasts(s
         made = [first] + [v for v in range(first + 1, last + 1) if broadcasts(v, last, k, n, first)]
         assert taken == made, (k, n, first, last)
         assert used == sorted(used)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_workers_wait_for_a_broadcast_right_after_the_batch_ready_after_names(seed):
+    """Trainer 0 sends a version only once every worker waits for it: `ready_after(v)` is the
+    batch just before the first one sampled with v (so it has arrived when the workers wait),
+    for every version the trainer broadcasts, the one they start from included."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        k = rng.randint(0, 6)
+        n = rng.randint(1, k + 1)
+        first = rng.randint(0, 9)
+        last = first + rng.randint(0, 30)
+        _, taken = _worker_takes(first, last, k, n)
+        for version in taken:
+            first_use = next(
+                b for b in range(first, last + 1) if weights_version(b, k, n, first) == version
+            )
+            assert ready_after(version, k, n, first) == first_use - 1, (k, n, first, version)
 
 
 def test_zero_staleness_samples_every_batch_with_the_current_weights():

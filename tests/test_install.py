@@ -76,15 +76,17 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     base = tmp_path_factory.mktemp("install")
     _clean_copy(base / "src")
     # --sdist --wheel builds the wheel from the sdist, so a file the sdist leaves out fails here.
-    _run([sys.executable, "-m", "build", "--sdist", "--wheel", "-o", base / "dist", "."], base / "src", 600)
+    _run(
+        [sys.executable, "-m", "build", "--sdist", "--wheel", "-o", base / "dist", "."],
+        base / "src",
+        600,
+    )
     (wheel,) = (base / "dist").glob("cod_fast-*.whl")
     assert len(list((base / "dist").glob("cod_fast-*.tar.gz"))) == 1
     _run([sys.executable, "-m", "venv", base / "venv"], base)
     python = base / "venv" / "bin" / "python"
     purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], base)
-    Path(purelib.strip(), "outer-dependencies.pth").write_text(
-        sysconfig.get_path("purelib") + "\n"
-    )
+    Path(purelib.strip(), "outer-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], base)
     work = base / "work"
     work.mkdir()
@@ -96,7 +98,11 @@ def test_the_wheel_holds_every_package_of_the_tree(installed):
     and the compiled C++ extension is in it."""
     _, _, wheel = installed
     names = zipfile.ZipFile(wheel).namelist()
-    packages = {n.removesuffix("/__init__.py").replace("/", ".") for n in names if n.endswith("/__init__.py")}
+    packages = {
+        n.removesuffix("/__init__.py").replace("/", ".")
+        for n in names
+        if n.endswith("/__init__.py")
+    }
     assert packages == _source_packages()
     assert any(n.startswith("cod_fast/_cpp.") and n.endswith(".so") for n in names)
 
@@ -155,3 +161,14 @@ def test_every_subcommand_runs_from_the_installed_wheel(installed):
     assert "frozenlake" in _run([cli, "envs", "list"], work)
     _run([cli, "envs", "solve", "frozenlake", "--packs", "2"], work)
     _run([cli, "bench", "launches", "--check"], work)
+    tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2"]
+    tiny += ["model.intermediate_size=64", "rollout.eval_packs=1", "train.warm_start_steps=1"]
+    tiny += ["train.steps=1", "rollout.packs_per_step=1", "rollout.group_size=2"]
+    tiny += ["train.warm_start_packs=1"]
+    teachers = "{frozenlake: teachers/frozenlake, terminal: teachers/terminal}"
+    distill = [cli, "distill", "--set", "runtime.run_dir=runs/student"]
+    distill += ["--set", f"algo.teachers={teachers}"]
+    for override in tiny:
+        distill += ["--set", override, "--teacher-set", override]
+    _run(distill, work)
+    assert (work / "teachers/terminal/config.json").exists()
