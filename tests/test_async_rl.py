@@ -278,26 +278,6 @@ def test_a_killed_worker_stops_the_run_with_a_checkpoint_and_resume_matches_the_
 
 
 @pytest.mark.slow
-def test_two_fsdp_trainers_and_a_worker_train_over_their_own_group(tmp_path):
-    """Three processes: two trainer ranks sharding the policy with FSDP2 over a group of their
-    own (the worker takes no part in their collectives) and one rollout worker. The warm start
-    (no worker involved) gives one process's losses within fp32 tolerance; RL runs to its end
-    within the staleness bound, and the checkpoint holds full weights."""
-    steps = ["train.steps=3", "train.max_staleness=1", "runtime.rollout_ranks=1"]
-    result = _train(tmp_path / "three", *steps, ranks=3)
-    assert result.returncode == 0, _said(result)
-    one = _train(tmp_path / "one", "train.steps=0", ranks=1)
-    assert one.returncode == 0, _said(one)
-    three, single = metrics(tmp_path / "three"), metrics(tmp_path / "one")
-    warm = [r for r in three if r["phase"] == "warm_start"]
-    assert [r["loss"] for r in warm] == pytest.approx([r["loss"] for r in single], rel=1e-5)
-    rl = [r for r in three if r["phase"] == "rl"]
-    assert [r["staleness"] for r in rl] == [0, 1, 1]
-    weights = _weights(tmp_path / "three")
-    assert weights.keys() == _weights(tmp_path / "one").keys()
-
-
-@pytest.mark.slow
 @requires_vllm
 def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
     """The worker's sampler can be the vLLM engine (the CPU engine here): its engine starts from

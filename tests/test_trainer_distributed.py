@@ -60,19 +60,6 @@ def eval_rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
 
 
-def test_two_rank_evaluation_equals_one_rank(tmp_path):
-    """Evaluation splits the eval packs over the ranks (5 packs: 3 and 2) and keys each
-    response's sampling noise by what it answers, so the two-rank summary is the one-process
-    one: the same mean rewards by position, errors and pack count."""
-    steps = ("train.warm_start_steps=0", "train.steps=0", "rollout.eval_packs=5")
-    result = torchrun_train(tmp_path / "two", *steps)
-    assert result.returncode == 0, failure(result)
-    Trainer(config(tmp_path / "one", *steps)).run()
-    two, one = eval_rows(tmp_path / "two"), eval_rows(tmp_path / "one")
-    assert [r["label"] for r in two] == ["start", "after warm start"]
-    assert two == one
-
-
 def test_a_short_process_group_timeout_outlasts_a_long_evaluation(tmp_path):
     """With runtime.dist_timeout_s=8 and evaluations that take one rank about twice that (240
     packs of the tiny-cpu model), a two-rank run finishes: each rank plays its half of the
