@@ -368,3 +368,46 @@ def test_a_run_that_lost_one_of_two_workers_resumes_with_one(tmp_path):
     resumed = _train(run, *steps, "runtime.rollout_ranks=1", "--resume", ranks=2)
     assert resumed.returncode == 0, _said(resumed)
     assert [r["step"] for r in metrics(run)] == list(range(1, 13))
+
+
+def _pushes(tmp_path, rollout_ranks: int) -> list[int]:
+    """The steps at which a one-process Trainer pushed weights into its (train) sampler, made
+    to hold its own copy, with a context of `rollout_ranks` rollout workers (the batches are
+    still its own: only the trainer's treatment of its samplers is looked at)."""
+    import dataclasses
+
+    from cod_fast.distributed import DistContext
+    from cod_fast.trainer import Trainer
+    from tests.test_trainer import config
+
+    cfg = config(tmp_path / f"run{rollout_ranks}", "train.steps=4", "runtime.eval_every=2")
+    ctx = DistContext(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        device=torch.device("cpu"),
+        mesh=None,
+        rollout_ranks=rollout_ranks,
+    )
+    trainer = Trainer(cfg, ctx)
+    trainer.samplers = dataclasses.replace(trainer.samplers, owns_weights=True)
+    pushed, push = [], trainer.sampler.push_weights
+
+    def counted(named):
+        pushed.append(trainer.step)
+        return push(named)
+
+    trainer.sampler.push_weights = counted
+    trainer.run()
+    trainer.close()
+    return pushed
+
+
+@pytest.mark.slow
+def test_trainers_beside_rollout_workers_push_weights_only_for_evaluations(tmp_path):
+    """A trainer that samples its own batches pushes the new weights into a sampler holding its
+    own copy after every step from the warm start's end on; a trainer beside rollout workers
+    only evaluates with its sampler, so it pushes only before the evaluations that need new
+    weights (at start, after the warm start, at RL step 2 and at the end), never per step."""
+    assert _pushes(tmp_path, 0) == [0, 2, 3, 4, 5, 6]
+    assert _pushes(tmp_path, 1) == [0, 2, 4, 6]
