@@ -159,7 +159,7 @@ def _wrap_op(name: str, fn, kind: str):
             return fn(*args, **kwargs)
         group = kwargs.get("group")
         if group is None:
-            group = _positional_group(fn, args)
+            group = _positional(fn, args, ("group", "pg"))
         event: dict[str, Any] = {
             "e": "op",
             "kind": kind,
@@ -175,7 +175,7 @@ def _wrap_op(name: str, fn, kind: str):
         for key in ROOTS:
             if kwargs.get(key) is not None:
                 event[key] = kwargs[key]
-        root = _positional_root(fn, args)
+        root = _positional(fn, args, ("src", "dst"))
         if root is not None:
             event.setdefault("root", root)
         with rec.lock:
@@ -209,16 +209,9 @@ def _parameter_index(fn, name: str) -> int | None:
     return names.index(name) if name in names else None
 
 
-def _positional_group(fn, args: tuple) -> Any:
-    for name in ("group", "pg"):
-        index = _parameter_index(fn, name)
-        if index is not None and index < len(args):
-            return args[index]
-    return None
-
-
-def _positional_root(fn, args: tuple) -> Any:
-    for name in ("src", "dst"):
+def _positional(fn, args: tuple, names: tuple[str, ...]) -> Any:
+    """The first of the parameters `names` that the call passed by position, or None."""
+    for name in names:
         index = _parameter_index(fn, name)
         if index is not None and index < len(args):
             return args[index]

@@ -34,6 +34,16 @@ def _worker_takes(first: int, last: int, k: int, n: int) -> tuple[list[int], lis
     return used, taken
 
 
+def _random_rules(seed: int, count: int = 50):
+    """(K, N <= K + 1, the first version, the last batch) at random."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        k = rng.randint(0, 6)
+        n = rng.randint(1, k + 1)
+        first = rng.randint(0, 9)
+        yield k, n, first, first + rng.randint(0, 30)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_rule_bounds_staleness_and_the_worker_takes_exactly_the_broadcasts(seed):
     """For random K, N <= K + 1 and start versions: no batch is sampled with weights more than
@@ -41,12 +51,7 @@ def test_the_rule_bounds_staleness_and_the_worker_takes_exactly_the_broadcasts(s
     worker that takes broadcasts until it holds V(b) lands on V(b) exactly, and the broadcasts
     it takes are exactly those the trainer makes (so no broadcast waits forever, none is
     missing)."""
-    rng = random.Random(seed)
-    for _ in range(50):
-        k = rng.randint(0, 6)
-        n = rng.randint(1, k + 1)
-        first = rng.randint(0, 9)
-        last = first + rng.randint(0, 30)
+    for k, n, first, last in _random_rules(seed):
         used, taken = _worker_takes(first, last, k, n)
         for batch, version in zip(range(first, last + 1), used, strict=True):
             assert version == weights_version(batch, k, n, first)
@@ -62,12 +67,7 @@ def test_the_workers_wait_for_a_broadcast_right_after_the_batch_ready_after_name
     """Trainer 0 sends a version only once every worker waits for it: `ready_after(v)` is the
     batch just before the first one sampled with v (so it has arrived when the workers wait),
     for every version the trainer broadcasts, the one they start from included."""
-    rng = random.Random(seed)
-    for _ in range(50):
-        k = rng.randint(0, 6)
-        n = rng.randint(1, k + 1)
-        first = rng.randint(0, 9)
-        last = first + rng.randint(0, 30)
+    for k, n, first, last in _random_rules(seed):
         _, taken = _worker_takes(first, last, k, n)
         for version in taken:
             first_use = next(
@@ -137,7 +137,7 @@ def _signal_worker(
     assert pid is not None
     os.kill(pid, sig)
     if sig == signal.SIGSTOP:  # once the trainer is gone, let the stopped worker take the
-        trainer = _rank_pid(run_dir, 0)  # SIGTERM torchrun sends (else it waits 30 s to kill)
+        trainer = rank_pid(run_dir, 0)  # SIGTERM torchrun sends (else it waits 30 s to kill)
         while trainer is not None and Path(f"/proc/{trainer}").exists():
             if time.monotonic() > deadline:
                 break
@@ -233,10 +233,10 @@ def test_more_rollout_ranks_than_processes_is_one_line(tmp_path):
 
 def _worker_pid(run_dir) -> int | None:
     """The rollout worker (RANK=1) of the torchrun training into `run_dir`."""
-    return _rank_pid(run_dir, 1)
+    return rank_pid(run_dir, 1)
 
 
-def _rank_pid(run_dir, rank: int) -> int | None:
+def rank_pid(run_dir, rank: int) -> int | None:
     """The process of RANK `rank` of the torchrun training into `run_dir`."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -246,7 +246,8 @@ def _rank_pid(run_dir, rank: int) -> int | None:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline:
+        mine = f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline
+        if mine and b"torch.distributed.run" not in cmdline:  # a rank, not its launcher
             return int(entry)
     return None
 

@@ -32,6 +32,7 @@ import torch
 
 from cod_fast.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.comm_check import check
+from tests.test_async_rl import rank_pid
 from tests.test_trainer import FAST
 
 pytestmark = pytest.mark.slow
@@ -100,21 +101,6 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> tuple[list[i
     return [p.returncode for p in procs], "\n".join(said)
 
 
-def _rank_pid(run_dir: Path, rank: int) -> int | None:
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        mine = f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline
-        if mine and b"torch.distributed.run" not in cmdline:  # a rank, not its launcher
-            return int(entry)
-    return None
-
-
 def _logged(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
@@ -127,7 +113,7 @@ def _kill_after(run_dir: Path, procs: list[subprocess.Popen], rank: int, steps: 
         assert time.monotonic() < deadline, "the run logged too few steps"
         assert all(p.poll() is None for p in procs), "the run ended before the kill"
         time.sleep(0.1)
-    pid = _rank_pid(run_dir, rank)
+    pid = rank_pid(run_dir, rank)
     assert pid is not None, f"no process of rank {rank}"
     os.kill(pid, signal.SIGKILL)
 
