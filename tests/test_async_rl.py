@@ -16,6 +16,7 @@ import torch
 
 from cod_fast.async_rl.staleness import broadcasts, next_broadcast, ready_after, weights_version
 from cod_fast.checkpoint import latest_checkpoint, read_model_state
+from cod_fast.comm_check import check
 from cod_fast.config import ConfigError
 from cod_fast.config_io import load_config
 from tests.test_trainer import FAST, metrics
@@ -113,9 +114,13 @@ def _command(run_dir, overrides, ranks: int) -> list[str]:
     return args
 
 
-def _train(run_dir, *overrides: str, ranks: int = 2) -> subprocess.CompletedProcess:
+def _train(
+    run_dir, *overrides: str, ranks: int = 2, trace: Path | None = None
+) -> subprocess.CompletedProcess:
+    """The run; with `trace`, every process records its torch.distributed traffic there."""
     args = _command(run_dir, overrides, ranks)
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=ENV)
+    env = ENV if trace is None else {**ENV, "COD_FAST_COMM_TRACE": str(trace)}
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
 
 
 def _signal_worker(
@@ -284,10 +289,15 @@ def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
     """The worker's sampler can be the vLLM engine (the CPU engine here): its engine starts from
     a folder the worker writes itself (transformers writes nothing on a global rank other than
     0), then takes every broadcast; at staleness 0 its log-probs equal the trainer's to float
-    rounding, as in a synchronous vLLM run, after a warm start has moved the weights."""
+    rounding, as in a synchronous vLLM run, after a warm start has moved the weights. The
+    engines' own process groups (every rank starts one) keep NCCL's rules (cod_fast.comm_check)."""
     vllm = ["model.num_heads=1", "rollout.sampler=vllm", "rollout.vllm_eager=true"]
-    result = _train(tmp_path / "run", *vllm, "train.steps=2", "runtime.rollout_ranks=1")
+    trace = tmp_path / "trace"
+    result = _train(
+        tmp_path / "run", *vllm, "train.steps=2", "runtime.rollout_ranks=1", trace=trace
+    )
     assert result.returncode == 0, _said(result)
+    assert check(trace) == []
     rl = [r for r in metrics(tmp_path / "run") if r["phase"] == "rl"]
     assert [r["staleness"] for r in rl] == [0, 0]
     for r in rl:
