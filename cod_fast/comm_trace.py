@@ -16,11 +16,17 @@ event to `DIR/rank-R.jsonl` (R its global rank):
   synchronises the device on a GPU: `device_sync`).
 Only the outermost call is recorded (broadcast_object_list's own broadcasts are not). Without
 the variable nothing is wrapped and `device_sync` does nothing.
+
+It replaces torch.distributed's functions in their modules (and `Work.wait`, DeviceMesh's group
+maker, torch.cuda's synchronisations) because that is the one place that sees the calls torch
+makes itself (FSDP2's gathers, DTensor's functional collectives) at no cost per tensor op, as a
+dispatch mode would have. It is a debugging tool, on only when asked for.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import sys
@@ -195,8 +201,6 @@ def _wrap_op(name: str, fn, kind: str):
 
 
 def _parameters(fn) -> list[str]:
-    import inspect
-
     try:
         return list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -298,10 +302,6 @@ def device_sync(what: str) -> None:
     run is on the CPU: vLLM's sleep and wake, a CUDA graph capture); nothing when not tracing."""
     if _recorder is not None:
         _recorder.write({"e": "sync", "what": what, "site": _site()})
-
-
-def enabled() -> bool:
-    return _recorder is not None
 
 
 def install() -> bool:

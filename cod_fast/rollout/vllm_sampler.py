@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from cod_fast import comm_trace
 from cod_fast.checkpoint import rng_state, set_rng_state
 from cod_fast.rollout.sampler import Sample, request_seed
 
@@ -393,12 +394,14 @@ class VLLMSampler:
 
     def sleep(self) -> None:
         """Release weights and KV cache for the training phase (where sleep mode exists)."""
+        comm_trace.device_sync("vLLM sleep (a device synchronisation on GPUs)")
         if self.sleep_mode:
             self.engine.sleep(level=2)
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the trainer's weights (Hugging Face names; consumed lazily, in one reload) and
         return how many tensors arrived."""
+        comm_trace.device_sync("vLLM wake and reload (a device synchronisation on GPUs)")
         if self.sleep_mode:
             self.engine.wake_up(tags=["weights"])
         counted = _Counted(named)
@@ -420,6 +423,7 @@ class VLLMSampler:
         engine, self.engine = self.engine, None
         if engine is None:
             return
+        comm_trace.device_sync("vLLM shutdown, torch.cuda.empty_cache on GPUs")
         _shut_down(engine)
         del engine
         gc.collect()
