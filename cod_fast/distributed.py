@@ -450,6 +450,7 @@ def load_optimizer_state(
             if ctx.distributed:
                 dist.broadcast(full, src=0, group=ctx.group)
             if isinstance(param, DTensor) and tuple(param.shape) == shape:
+                # This rank's shard, a copy (torch 2.13 and 2.14 clone it): `full` is freed.
                 full = distribute_tensor(
                     full, param.device_mesh, param.placements, src_data_rank=None
                 )
