@@ -10,6 +10,7 @@ checked after each update and while it waits for a batch.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,8 @@ class RemoteBatches:
         self.publisher = WeightPublisher(groups.weights, dtype)
         self.receiver: BatchReceiver | None = None
         self.first: int | None = None
+        self.failure: RolloutWorkerError | None = None
+        """A weight broadcast that failed (main rank), raised by the next `next`."""
         self.sampler_states: list[Any] | None = None
 
     def _rule(self) -> tuple[int, int, int]:
@@ -74,8 +77,28 @@ class RemoteBatches:
         self._flush()
 
     def _flush(self) -> None:
-        if self.receiver is not None:
+        """Send what the workers wait for. A broadcast that fails (a worker that hangs past
+        runtime.rollout_timeout_s, or died) is kept, and the next `next` stops every trainer
+        with it: after the step that trained the version is logged and checkpointed."""
+        if self.receiver is None or self.failure is not None:
+            return
+        try:
             self.publisher.flush(self.receiver.arrived)
+        except RuntimeError as exc:  # gloo's timeout or closed connection
+            timeout = self.cfg.runtime.rollout_timeout_s
+            last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+            cause = re.sub(r"^\[[^\]]*\]\s*", "", last[0])  # gloo's [source file:line] prefix
+            self.failure = RolloutWorkerError(
+                f"rollout rank(s) {self.groups.worker_ranks} did not take the weights they wait "
+                f"for within {timeout:g} s (runtime.rollout_timeout_s; {cause}): a worker hangs "
+                "or died; see its log, or raise runtime.rollout_timeout_s"
+            )
+
+    def _flushed(self) -> None:
+        """`_flush`, raising a failed broadcast's RolloutWorkerError."""
+        self._flush()
+        if self.failure is not None:
+            raise self.failure
 
     def next(self, rl_step: int, policy: Policy, stop: Callable[[], bool]) -> Batch:
         """Batch `rl_step`, as the workers sampled it; `stop()` true (a signal) ends the wait
@@ -88,7 +111,7 @@ class RemoteBatches:
             assert self.receiver is not None
             try:
                 timeout = self.cfg.runtime.rollout_timeout_s
-                parts = self.receiver.get(rl_step, timeout, stop, idle=self._flush)
+                parts = self.receiver.get(rl_step, timeout, stop, idle=self._flushed)
             except RolloutWorkerError as exc:
                 got = str(exc)
             else:
