@@ -1,6 +1,7 @@
 """Check a run's recorded torch.distributed traffic (cod_fast.comm_trace) against the rules NCCL
 imposes on a GPU run, so that a topology tried on the CPU over gloo (which forgives all of them)
-is known not to hang on GPUs (docs/gpu.md, "Checking a topology on the CPU").
+is known not to hang on GPUs (docs/gpu.md, "Tested topologies, and NCCL's rules checked on the
+CPU").
 
 `check(folder)` reads every `rank-R.jsonl` and returns one `Violation` per broken rule:
 - `groups`: the ranks made different groups, or made them in a different order;
@@ -105,7 +106,7 @@ def _group_agreement(trace, complete: bool) -> list[Violation]:
         shorter = min(len(have), len(want))
         if have != want and (complete or have[:shorter] != want[:shorter]):
             pairs = zip(have, want, strict=False)
-            at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(have), len(want)))
+            at = next((i for i, (a, b) in enumerate(pairs) if a != b), shorter)
             found.append(
                 Violation(
                     "groups",

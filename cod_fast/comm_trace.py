@@ -1,5 +1,6 @@
 """A per-rank record of a run's torch.distributed traffic, for checking it against NCCL's rules
-on the CPU (cod_fast.comm_check; docs/gpu.md, "Checking a topology on the CPU").
+on the CPU (cod_fast.comm_check; docs/gpu.md, "Tested topologies, and NCCL's rules checked on
+the CPU").
 
 `COD_FAST_COMM_TRACE=DIR` turns it on: `install()` (called by init_distributed before the
 process group exists) wraps torch.distributed so that every process appends one JSON line per

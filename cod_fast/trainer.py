@@ -399,9 +399,7 @@ class Trainer:
             )
         t_trained = time.perf_counter()
         self.step += 1
-        if (
-            self.step >= self.warm_steps and self.local_sampling
-        ):  # the next step (or last eval) samples
+        if self.local_sampling and self.step >= self.warm_steps:  # the next step samples
             self._sync_sampler()
         if not warm:
             self.batches.trained(self.step - self.warm_steps, self.policy)

@@ -33,7 +33,7 @@ import torch
 from cod_fast.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.comm_check import check
 from tests.test_async_rl import rank_pid
-from tests.test_trainer import FAST
+from tests.test_trainer import FAST, TIMING
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,6 @@ SETTINGS = [
 STEPS = 2 + 4
 KILL_AFTER = 3
 ASYNC_KEYS = ("staleness", "weights_version", "rollout_wait_s", "worker_sample_s")
-TIMING = {"sample_s", "train_s", "push_s", "step_s", "tokens_per_s_per_device"}
 RTOL, ATOL = 1e-4, 1e-6
 """Metrics and weights against the one-process run (float32; FSDP2 sums in another order)."""
 
