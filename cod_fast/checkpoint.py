@@ -16,12 +16,17 @@ only and load with `torch.load(weights_only=True)`, the model is safetensors, th
 `latest` must name a checkpoint folder of the run (no path elsewhere). Nothing outside the run
 directory is read or deleted through it: a step folder, a file in one, or `latest` that is a
 symbolic link is refused wherever it points (inside the run too: one rule, no path resolving),
-and rotation (`keep`) passes such links by. The run directory itself and its `checkpoints`
-folder may be links (to a larger disk, say).
+and rotation (`keep`) passes such links by. Nothing is written through one either: a save
+refuses a `checkpoints` folder, a temporary folder or file that is a link (cod_fast.safe_write).
+The run directory itself may be a link (to a larger disk, say).
 
 A damaged checkpoint is refused with one line naming the file and the damage (missing; cut
 short of the size `meta.json` records for it; unreadable; a torn `meta.json`; model weights
 that are NaN or infinite), and the newest older intact checkpoint of the run to use instead.
+So is one whose files read but do not hold what their readers take, since a run directory may
+come from someone else: a `meta.json` field of another type, or a state its owner refuses as
+it takes it back (`restoring`: weights that do not fit the model, an optimizer state that does
+not fit the optimizer, a generator state no generator takes, a replay pool of other records).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
+import zipfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from cod_fast.bounded_read import ReadRefused, read_bounded
+from cod_fast.safe_write import LinkError, fresh_folder, make_folder, remove, write_atomic
+
+MAX_META_BYTES = 2**24
+"""The largest meta.json read: the run's config and a step's metrics take a few KB."""
 LATEST = "latest"
 META = "meta.json"
 FILES = ("model.safetensors", "optimizer.pt", "ranks.pt")
@@ -81,21 +93,93 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    numpy = state["numpy"]
-    np.random.set_state(
-        (
-            numpy["kind"],
-            numpy["keys"].numpy().astype(np.uint32),
-            numpy["pos"],
-            numpy["has_gauss"],
-            numpy["cached_gaussian"],
+def set_rng_state(state: Any) -> None:
+    """Set this process's generators to `state` (what rng_state returned). A state that is not
+    one (a damaged or edited ranks.pt) is a ValueError saying what is wrong, raised before any
+    generator is set: each part is checked for its type and size, then tried on a scratch
+    generator of its kind (which knows best what it takes)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the random number generator state is {described(state)}, not a dict")
+    python, numpy, cpu = state.get("python"), state.get("numpy"), state.get("torch")
+    if not (isinstance(python, tuple) and len(python) == 3 and isinstance(python[2], float | None)):
+        raise ValueError(
+            f"the python generator state is {described(python)}, not a state of random's"
         )
+    _tried("the python generator state", random.Random().setstate, python)
+    keys = numpy.get("keys") if isinstance(numpy, dict) else None
+    if not (
+        isinstance(keys, torch.Tensor)
+        and keys.dtype == torch.int64
+        and keys.shape == (624,)
+        and all(isinstance(numpy.get(k), t) for k, t in _NUMPY_FIELDS.items())
+    ):
+        raise ValueError("the numpy generator state is not an MT19937 state of 624 keys")
+    numpy = (
+        numpy["kind"],
+        keys.numpy().astype(np.uint32),
+        numpy["pos"],
+        numpy["has_gauss"],
+        numpy["cached_gaussian"],
     )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    _tried("the numpy generator state", np.random.RandomState().set_state, numpy)
+    set_generator_state(torch.Generator(), cpu, "the torch generator state")
+    cuda = state.get("cuda") if torch.cuda.is_available() else None
+    if cuda is not None:
+        if not (isinstance(cuda, list) and len(cuda) <= torch.cuda.device_count()):
+            raise ValueError("the CUDA generator states are not a list of one per device")
+        for i, device_state in enumerate(cuda):
+            what = f"the CUDA generator state of device {i}"
+            set_generator_state(torch.Generator(f"cuda:{i}"), device_state, what)
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+_NUMPY_FIELDS = {"kind": str, "pos": int, "has_gauss": int, "cached_gaussian": float}
+"""rng_state's numpy entries besides its keys, and their types."""
+
+
+def set_generator_state(generator: torch.Generator, state: Any, what: str) -> None:
+    """`generator.set_state(state)` for a state read from a checkpoint, or ValueError naming
+    `what` when it is not one: the size is checked before any value is read (a tensor can claim
+    a billion elements over a storage of one)."""
+    size = generator.get_state().numel()
+    if not (
+        isinstance(state, torch.Tensor)
+        and state.dtype == torch.uint8
+        and state.shape == (size,)
+        and state.is_contiguous()
+    ):
+        raise ValueError(f"{what} is {described(state)}, not a uint8 tensor of {size} bytes")
+    _tried(what, generator.set_state, state)
+
+
+def _tried(what: str, setter: Callable[[Any], Any], value: Any) -> None:
+    try:
+        setter(value)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise ValueError(f"{what} is not one ({_first_words(exc)})") from None
+
+
+def _is_size(value: Any) -> bool:
+    """A count or size read from a file: an int (not a bool) from 0 to 2**63."""
+    return type(value) is int and 0 <= value < 2**63
+
+
+def described(value: Any) -> str:
+    """What a value read from a file is, for a message: short values as they are, the rest by
+    their type (a tensor's repr runs over lines)."""
+    if isinstance(value, int) and abs(value) >= 2**64:  # past 4300 digits repr() raises
+        return f"an integer of {value.bit_length()} bits"
+    if value is None or isinstance(value, bool | int | float | str):
+        text = repr(value)
+        return text if len(text) <= 40 else f"{text[:36]}..."
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"a tensor of dtype {dtype} and shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _fsync(path: Path) -> None:
@@ -127,10 +211,9 @@ def save_checkpoint(
     final = root / f"step-{step:07d}"
     tmp, aside = _tmp(final), _aside(final)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        make_folder(run_dir, root)  # nothing is written through a link (cod_fast.safe_write)
         _finish_half_moved(root)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        fresh_folder(tmp)
         # safetensors wants contiguous tensors that share no storage; the caller's state
         # already holds each tied weight once.
         save_file(
@@ -148,15 +231,16 @@ def save_checkpoint(
     # A full disk reaches here as OSError, as RuntimeError from torch.save and as
     # SafetensorError from safetensors.
     except (OSError, RuntimeError, SafetensorError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # never follows a link
         raise CheckpointError(_write_failure(root, step, exc)) from exc
-    if final.exists():  # a rewrite of this step: the old folder stays loadable, aside
-        shutil.rmtree(aside, ignore_errors=True)
+    if os.path.lexists(final):  # a rewrite of this step: the old folder stays loadable, aside
+        remove(aside)
         final.rename(aside)
     tmp.rename(final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name)
-    pointer.replace(root / LATEST)
+    try:
+        write_atomic(root / LATEST, final.name)
+    except OSError as exc:
+        raise CheckpointError(_write_failure(root, step, exc)) from exc
     _fsync(root)
     for leftover in root.glob(".step-*"):  # this rewrite's old folder, or a killed save's
         shutil.rmtree(leftover, ignore_errors=True)
@@ -186,7 +270,8 @@ def _finish_half_moved(root: Path) -> None:
     rewrite, or after a finished write) into its place, the newer one first."""
     for leftover in sorted(root.glob(".step-*")):
         final = root / leftover.name[1:].rsplit(".", 1)[0]
-        if not final.exists() and (found := _complete(final)) is not None:
+        found = None if os.path.lexists(final) else _complete(final)
+        if found is not None and not found.is_symlink():  # a link is not the run's
             found.rename(final)
 
 
@@ -205,16 +290,24 @@ def _aside(final: Path) -> Path:
 
 
 def _write_failure(root: Path, step: int, exc: BaseException) -> str:
+    if isinstance(exc, LinkError):  # no disk at fault: the message names the link and the fix
+        return str(exc)
+    return (
+        f"could not write the checkpoint of step {step} in {root}: {write_cause(root, exc)}; "
+        "free disk space or set runtime.run_dir to a writable folder with room, then resume: "
+        "the checkpoints already written are intact"
+    )
+
+
+def write_cause(folder: Path, exc: BaseException) -> str:
+    """Why a write into `folder` failed, with the free space there (a full disk reaches a
+    writer as OSError, as RuntimeError from torch.save and as SafetensorError)."""
     try:
-        free = f"{shutil.disk_usage(root if root.exists() else root.parent).free / 2**20:.0f} MiB"
+        free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2**20:.0f} MiB"
     except OSError:
         free = "unknown"
-    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    return (
-        f"could not write the checkpoint of step {step} in {root}: {cause} (free space there: "
-        f"{free}); free disk space or set runtime.run_dir to a writable folder with room, then "
-        "resume: the checkpoints already written are intact"
-    )
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_words(exc)
+    return f"{cause} (free space there: {free})"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
@@ -223,7 +316,14 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
     if not (root / LATEST).exists():
         return None
     _refuse_link(root / LATEST)
-    name = (root / LATEST).read_text().strip()
+    try:  # a folder name's worth, whatever the file holds (binary junk, gigabytes)
+        with open(root / LATEST, "rb") as f:
+            name = f.read(64).decode(errors="replace").strip()
+    except OSError as exc:  # a folder named `latest`, no permission
+        raise CheckpointError(
+            f"{root / LATEST} cannot be read ({_first_words(exc)}); write the name of a "
+            "checkpoint folder of the run (step-NNNNNNN) into it"
+        ) from None
     if not _NAME.fullmatch(name):
         raise CheckpointError(
             f"{root / LATEST} names {name[:80]!r}, not a checkpoint folder of this run "
@@ -248,7 +348,7 @@ def _open(folder: Path, step: int) -> Checkpoint:
     """The checkpoint in `folder` (complete: it has a meta.json), its files checked as far as
     a stat can, so that a damaged one is refused before anything is built or loaded."""
     try:
-        meta = _checked_meta(folder)
+        meta = _checked_meta(folder, step)
     except _Damage as exc:
         raise _damaged(folder.parent, step, exc) from None
     return Checkpoint(folder, meta["step"], meta["extra"], meta.get("sizes", {}))
@@ -264,7 +364,22 @@ def read_optimizer_state(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def read_rank_states(ckpt: Checkpoint) -> list[dict[str, Any]]:
-    return _read(ckpt, "ranks.pt", _load_plain)
+    """Every rank's state (a dict each). What is in them is their owners' to check, as they
+    take them back (`restoring`)."""
+    return _read(ckpt, "ranks.pt", _load_rank_states)
+
+
+@contextmanager
+def restoring(ckpt: Checkpoint, name: str) -> Iterator[None]:
+    """A block that gives what was read from the checkpoint's file `name` back to its owners
+    (the model, the optimizer, the generators, the sampler, the batch source). An owner raises
+    ValueError, saying what is wrong, for a state that is not one of its own (a damaged or
+    edited file); here that becomes the file's one CheckpointError line, as any damage does."""
+    try:
+        yield
+    except ValueError as exc:
+        damage = _Damage(ckpt.path / name, f"is damaged ({_first_words(exc)})")
+        raise _damaged(ckpt.path.parent, ckpt.step, damage) from None
 
 
 def read_weights(path: Path, fix: str) -> dict[str, torch.Tensor]:
@@ -295,24 +410,51 @@ def _read(ckpt: Checkpoint, name: str, load: Callable[[Path], Any]) -> Any:
         raise _damaged(ckpt.path.parent, ckpt.step, exc) from None
 
 
-def _checked_meta(folder: Path) -> dict[str, Any]:
-    """`folder`'s meta.json, after checking that no file of the folder is a link, is missing,
-    or is shorter than written (sizes are recorded from this version on)."""
+def _checked_meta(folder: Path, step: int) -> dict[str, Any]:
+    """`folder`'s meta.json (of checkpoint `step`), each field a reader takes of the type it
+    takes, after checking that no file of the folder is a link, is missing, or is shorter than
+    written (sizes are recorded from this version on)."""
     _refuse_link(folder)
     path = folder / META
     _refuse_link(path)
     try:
-        meta = json.loads(path.read_text())
-    except ValueError as exc:  # JSONDecodeError, or UnicodeDecodeError for binary junk
+        meta = json.loads(read_bounded(path, MAX_META_BYTES))
+    except ReadRefused as exc:  # a field cod-fast never wrote, or no file at all
+        raise _Damage(path, f"is {exc}, not a meta.json cod-fast writes") from None
+    # JSONDecodeError, UnicodeDecodeError for binary junk, RecursionError for `[[[[...`
+    except (ValueError, RecursionError) as exc:
         raise _Damage(path, f"is not valid JSON ({_first_words(exc)})") from None
-    if not (isinstance(meta, dict) and isinstance(meta.get("step"), int)):
+    except OSError as exc:  # a folder named meta.json, no permission
+        raise _Damage(path, f"cannot be read ({_first_words(exc)})") from None
+    if not (isinstance(meta, dict) and type(meta.get("step")) is int):
         raise _Damage(path, "is valid JSON but holds no step number")
-    if not isinstance(meta.get("extra"), dict):
+    if meta["step"] != step:
+        raise _Damage(path, f"says step {meta['step']}, but lies in the folder of step {step}")
+    extra = meta.get("extra")
+    if not isinstance(extra, dict):
         raise _Damage(path, "is valid JSON but holds no `extra` object")
+    for key, (fits, what) in _EXTRA.items():
+        if key in extra and not fits(extra[key]):
+            raise _Damage(path, f"holds an `extra.{key}` of {described(extra[key])}, not {what}")
     sizes = meta.get("sizes", {})
+    if not (isinstance(sizes, dict) and all(_is_size(sizes.get(n, 0)) for n in FILES)):
+        raise _Damage(path, "holds `sizes` that are not the byte counts of the folder's files")
     for name in FILES:
         _check_file(folder / name, sizes.get(name))
     return meta
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_EXTRA: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "warm_start_steps": (_is_size, "a step count"),
+    "world_size": (lambda v: _is_size(v) and v > 0, "a process count"),
+    "compute_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
+    "master_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
+    "config": (lambda v: isinstance(v, dict), "an object of config fields"),
+    "tokenizer": (lambda v: isinstance(v, str), "a tokenizer fingerprint"),
+}
+"""The fields of `extra` that cod-fast reads back (the trainer writes them), with what each
+must be: a checkpoint of an older version may lack one, never hold another kind of value."""
 
 
 def _check_file(path: Path, written: int | None) -> None:
@@ -346,7 +488,8 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def _load_plain(path: Path) -> Any:
     """A `.pt` file of tensors and plain data; anything else (code a pickle would run) is
-    refused, never executed."""
+    refused, never executed, and so is an archive that would inflate (`_check_stored`)."""
+    _check_stored(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -355,9 +498,55 @@ def _load_plain(path: Path) -> Any:
             f"({_first_words(exc)}); it was not written by this version of cod-fast, or was "
             "changed since: resume only from checkpoints you wrote"
         ) from None
-    # A cut or overwritten zip archive: RuntimeError from torch's reader, EOFError when empty.
-    except (OSError, RuntimeError, EOFError) as exc:
+    # A cut or overwritten zip archive: RuntimeError from torch's reader, EOFError when empty;
+    # flipped bytes in its pickle: whatever the unpickler meets (TypeError, KeyError, ...).
+    except Exception as exc:
         raise _Damage(path, f"cannot be read ({_first_words(exc)})") from None
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+"""The first bytes by which torch.load tells its zip archive from its legacy format."""
+
+
+def _check_stored(path: Path) -> None:
+    """torch.save writes every record of its zip archive stored (uncompressed), but torch.load
+    inflates what the archive says, allocating the size its directory claims before reading: a
+    deflated record of zeros makes a 3 MB ranks.pt 3 GiB of memory (a zip bomb). So before
+    torch reads a byte, every record must be stored and all of them fit in the file. A file
+    that is not a zip archive goes to torch's legacy reader, which refuses it as before."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+                return
+            records = zipfile.ZipFile(f).infolist()  # reads the central directory alone
+    # BadZipFile, and for a damaged directory whatever parsing it meets (ValueError for a name
+    # that does not decode, EOFError, struct.error).
+    except Exception as exc:
+        raise _Damage(
+            path, f"cannot be read (not a whole zip archive: {_first_words(exc)})"
+        ) from None
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED:
+            raise _Damage(
+                path,
+                f"is damaged (its record {described(record.filename)} is compressed, which "
+                "torch.save never writes; inflating it could take any amount of memory, so the "
+                "file was not loaded)",
+            )
+    claimed, size = sum(record.file_size for record in records), path.stat().st_size
+    if claimed > size:
+        raise _Damage(
+            path,
+            f"is damaged (its records claim {claimed:,} bytes, more than its {size:,}; torch "
+            "would allocate them before reading, so the file was not loaded)",
+        )
+
+
+def _load_rank_states(path: Path) -> list[dict[str, Any]]:
+    states = _load_plain(path)
+    if not (isinstance(states, list) and states and all(isinstance(s, dict) for s in states)):
+        raise _Damage(path, f"is damaged (it holds {described(states)}, not a list of rank states)")
+    return states
 
 
 def _first_words(exc: BaseException) -> str:
@@ -391,7 +580,7 @@ def _intact(folder: Path, before: int) -> bool:
     if int(folder.name.removeprefix("step-")) >= before or not (folder / META).exists():
         return False
     try:
-        _checked_meta(folder)
+        _checked_meta(folder, int(folder.name.removeprefix("step-")))
     except (_Damage, CheckpointError):
         return False
     return True

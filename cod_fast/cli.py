@@ -317,7 +317,7 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
         if trainer is not None:
             trainer.close()
     if trainer.ctx.is_main:
-        _print_summary(summary, console)
+        _print_summary(summary, console, cfg)
     if last or summary["signal"] is not None:
         from cod_fast.distributed import shutdown
 
@@ -398,8 +398,11 @@ def distill(
     # main rank's files between runs; every run joins it.
     runtime = student.runtime
     ctx = init_distributed(runtime.device, runtime.hsdp_replicate, timeout_s=runtime.dist_timeout_s)
-    envs = make_envs(student.rollout.environments)
-    run_tokenizer(student, envs, DriverSettings.from_config(student), is_main=ctx.is_main)
+    try:
+        envs = make_envs(student.rollout.environments)  # imports a path, reads a cases file
+        run_tokenizer(student, envs, DriverSettings.from_config(student), is_main=ctx.is_main)
+    except (ValueError, OSError) as e:  # a path that does not import, a link in the run folder
+        fail(str(e))
     barrier(ctx)
     try:
         jobs = teacher_jobs(student, teacher_preset, teacher_overrides or ())
@@ -576,7 +579,7 @@ class _TrainingProgress:
         self.progress.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
-def _print_summary(summary: dict, console: Console) -> None:
+def _print_summary(summary: dict, console: Console, cfg: Config | None = None) -> None:
     """Every evaluation of the run (held-out packs), how the run ended, where its files are
     and the commands that use them."""
     evals = summary["evals"]
@@ -599,7 +602,7 @@ def _print_summary(summary: dict, console: Console) -> None:
     state = "stopped early (resume with --resume)" if summary["stopped"] else "finished"
     at = _step_name(summary["steps"], summary["warm_steps"])
     console.print(f"{state} at {at} in {summary['seconds']:.0f} s")
-    console.print(_where_and_next(summary), markup=False, highlight=False, soft_wrap=True)
+    console.print(_where_and_next(summary, cfg), markup=False, highlight=False, soft_wrap=True)
 
 
 def _step_name(step: int, warm: int) -> str:
@@ -616,9 +619,10 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "eval.jsonl", "curves.png", "reward
 """What the summary lists of a run directory (cod_fast.run_log), where present."""
 
 
-def _where_and_next(summary: dict) -> str:
+def _where_and_next(summary: dict, cfg: Config | None = None) -> str:
     """Where the run's files are (cod_fast.run_log) and what to run next: export the latest
-    checkpoint (the run always saves one as it ends), then evaluate the exported model."""
+    checkpoint (the run always saves one as it ends), then evaluate the exported model, naming
+    what an exported folder may not choose itself (`_own_choices`)."""
     run_dir = Path(summary["run_dir"])
     model = run_dir.with_name(f"{run_dir.name}-model")
     run, out = shlex.quote(str(run_dir)), shlex.quote(str(model))
@@ -630,9 +634,23 @@ def _where_and_next(summary: dict) -> str:
             f"{_step_name(summary['steps'], summary['warm_steps'])}",
             "next:",
             f"  cod-fast export {run} --out {out}    # a Hugging Face model folder",
-            f"  cod-fast eval --model {out}    # its held-out evaluation, as the run's",
+            f"  cod-fast eval --model {out}{_own_choices(cfg)}    # its held-out evaluation, "
+            "as the run's",
         )
     )
+
+
+def _own_choices(cfg: Config | None) -> str:
+    """The flags that `cod-fast eval` of this run's exported model needs to play it as the run
+    did: an environment path and a judge, which a model folder names but may not choose
+    (cod_fast.matrix.received_problem)."""
+    from cod_fast.envs.registry import is_path
+
+    if cfg is None:
+        return ""
+    env, judge = cfg.rollout.environments[0].name, cfg.rollout.judge
+    flags = f" --env {shlex.quote(env)}" if env is not None and is_path(env) else ""
+    return flags + (f" --judge {shlex.quote(judge)}" if judge != "rule" else "")
 
 
 @app.command("export")

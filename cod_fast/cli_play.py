@@ -203,6 +203,14 @@ MaxTokensOption = Annotated[int | None, typer.Option(help="Cap per response [512
 TemperatureOption = Annotated[float | None, typer.Option(help="Sampling temperature [1].")]
 TopPOption = Annotated[float | None, typer.Option(help="Nucleus sampling threshold [1].")]
 SeedOption = Annotated[int | None, typer.Option(help="Sampling seed [0].")]
+JudgeOption = Annotated[
+    str | None,
+    typer.Option(
+        help="Who scores the environments that ask for a judge: rule, the http(s):// URL of an "
+        "OpenAI-compatible endpoint, or a model folder [rule; a model folder's own judge is "
+        "used only when named here]."
+    ),
+]
 
 
 PLAY_FLAGS = (
@@ -215,6 +223,7 @@ PLAY_FLAGS = (
     "temperature",
     "top_p",
     "seed",
+    "judge",
 )
 
 
@@ -361,6 +370,7 @@ def eval_command(
     temperature: TemperatureOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = None,
+    judge: JudgeOption = None,
     hints: Annotated[
         str,
         typer.Option(
@@ -428,7 +438,10 @@ def eval_command(
             f"evaluating on {', '.join(envs)} ({', '.join(strategies)}): {o['packs']} packs "
             f"of {o['tasks']} tasks each"
         )
-        report = evaluate(sampler, chat, plan, settings, out, on_progress=working.part_tasks)
+        try:
+            report = evaluate(sampler, chat, plan, settings, out, on_progress=working.part_tasks)
+        except OSError as e:  # --out not writable, or an entry there that is a link
+            fail(f"--out {out}: {e}")
     rows = {
         f"{name} / {strategy}": summary
         for name, by_strategy in report["summaries"].items()
@@ -491,6 +504,7 @@ def rollout_command(
     temperature: TemperatureOption = None,
     top_p: TopPOption = None,
     seed: SeedOption = None,
+    judge: JudgeOption = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="One JSON object per pack on stdout, for tools.")
     ] = False,

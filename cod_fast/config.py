@@ -258,7 +258,7 @@ class ModelConfig(_Config):
     of the first user turn. Null: the tokenizer's own."""
     chat_template_kwargs: dict[str, object] | None = None
     """Extra variables for every render of the chat template, e.g. `{enable_thinking: false}`
-    for Qwen3. Null: none."""
+    for Qwen3 (not the arguments cod-fast sets itself, such as `tokenize`). Null: none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -269,6 +269,45 @@ class ModelConfig(_Config):
         if self.chat_template is not None:
             blank = not self.chat_template.strip()
             self._require(not blank, "chat_template", "a Jinja template, a file or null")
+        # What cod-fast sets itself: the arguments of transformers' `apply_chat_template`
+        # (PreTrainedTokenizerBase, 5.19; tests/test_chat_templates.py reads its signature)
+        # and the conversation a template receives as `messages`.
+        ours = (
+            "conversation",
+            "messages",
+            "tools",
+            "documents",
+            "chat_template",
+            "add_generation_prompt",
+            "continue_final_message",
+            "tokenize",
+            "padding",
+            "truncation",
+            "max_length",
+            "return_tensors",
+            "return_dict",
+            "return_assistant_tokens_mask",
+            "tokenizer_kwargs",
+        )
+        for key, value in (self.chat_template_kwargs or {}).items():
+            if key in ours:
+                raise ConfigError(
+                    "chat_template_kwargs",
+                    f"{shown(key)} is set by cod-fast, not a template variable; remove it "
+                    f"(cod-fast sets {', '.join(ours)})",
+                )
+            if not (isinstance(key, str) and key.isidentifier()) or key in JINJA_NAMES:
+                raise ConfigError(
+                    "chat_template_kwargs",
+                    f"{shown(key)} is not a name a template can read; write a variable name "
+                    "such as enable_thinking",
+                )
+            if not _plain(value):
+                raise ConfigError(
+                    f"chat_template_kwargs.{key}",
+                    f"got {shown(value)}; expected text, a number, true/false, null, or a list "
+                    "or mapping of them (quote a date: '2024-07-26')",
+                )
         self._at_least(1, "hidden_size", "num_layers", "num_heads", "intermediate_size")
         self._at_least(128, "vocab_size")
         # Built-in model sizes at about 4x the largest open models (width 16k, MLP 53k, 126
@@ -279,6 +318,22 @@ class ModelConfig(_Config):
         self._at_most(2**20, "vocab_size")
         divisible = self.hidden_size % self.num_heads == 0
         self._require(divisible, "hidden_size", f"a multiple of num_heads={self.num_heads}")
+
+
+JINJA_NAMES = ("self", "loop", "super", "caller", "varargs", "kwargs")
+"""Names Jinja gives a meaning of its own inside a template."""
+
+
+def _plain(value: object, depth: int = 0) -> bool:
+    """Whether `value` is plain data the run's config can record (JSON's kinds): YAML also
+    reads dates, binary and sets, which no checkpoint's record of the config could hold."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return True
+    if depth < 32 and isinstance(value, list):
+        return all(_plain(v, depth + 1) for v in value)
+    if depth < 32 and isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in value.items())
+    return False
 
 
 @dataclass(kw_only=True)

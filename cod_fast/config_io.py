@@ -3,6 +3,8 @@
 A run is resolved in three layers, each validated as a whole: a named preset (cod_fast.config),
 then a YAML file deep-merged over it, then ``a.b.c=value`` overrides. YAML is read with a safe
 loader that refuses anchors and aliases, and every problem is a ConfigError naming where it is.
+A config file is a regular file of at most MAX_CONFIG_BYTES and an override at most as long,
+refused before parsing (a megabyte of YAML takes seconds to parse).
 """
 
 from __future__ import annotations
@@ -18,8 +20,13 @@ from typing import Any
 
 import yaml
 
+from cod_fast.bounded_read import ReadRefused, read_bounded
 from cod_fast.config import DERIVED, Config, ConfigError, clipped, shown, type_hints
 from cod_fast.presets import DEFAULT_PRESET, PRESETS
+
+MAX_CONFIG_BYTES = 2**20
+"""The largest config file read, and the longest override: the largest real configs are a few
+KB, and parsing YAML takes seconds per megabyte."""
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -168,8 +175,8 @@ def _parent_section(data: dict[str, Any], keys: list[str]) -> dict[str, Any]:
         here = ".".join(keys[: depth + 1])
         if not isinstance(node, dict):
             raise ConfigError(here, f"{'.'.join(keys[:depth])} holds a value, not a section")
-        if key not in node:
-            raise ConfigError(here, f"unknown key; allowed keys: {', '.join(node)}")
+        if key not in node:  # `node` may be a mapping of the user's: list its keys clipped
+            raise ConfigError(here, f"unknown key; allowed keys: {clipped(', '.join(node))}")
         parent, node = node, node[key]
     return parent
 
@@ -183,6 +190,12 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
     data = to_dict(cfg)
     for override in overrides:
         dotted, sep, text = override.partition("=")
+        if len(override) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                dotted,
+                f"the override is {len(override)} characters, more than the {MAX_CONFIG_BYTES} "
+                "a config may hold; give a long value (a chat template) as a file",
+            )
         if not sep:
             raise ConfigError(
                 override, "missing '='; expected the form a.b.c=value, e.g. algo.loss.kl=k3"
@@ -201,10 +214,15 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
 
 def _read_yaml_file(path: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        text = read_bounded(path, MAX_CONFIG_BYTES).decode("utf-8")
     except OSError as e:
         raise ConfigError(path, f"cannot read config file: {e.strerror}") from None
+    except ReadRefused as e:
+        raise ConfigError(
+            path,
+            f"cannot read config file ({e}); give a regular file of at most {MAX_CONFIG_BYTES} "
+            "bytes",
+        ) from None
     except UnicodeDecodeError as e:
         byte = f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
         raise ConfigError(path, f"not a UTF-8 text file: {byte} does not decode") from None

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import atexit
 import gc
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -383,20 +384,111 @@ def optimizer_state(
     return _own_copy(state, ctx.device) if ctx.is_main else {}
 
 
-def _optimizer_mismatch(model: torch.nn.Module, optimizer, state: dict[str, Any]) -> str | None:
-    """Why an optimizer state does not fit `optimizer` over `model`'s parameters, or None."""
-    names = {id(p): n for n, p in model.named_parameters()}
+def _optimizer_mismatch(model: torch.nn.Module, optimizer, state: Any) -> str | None:
+    """Why an optimizer state (read from a file: anything) does not fit `optimizer` over
+    `model`'s parameters, or None: its groups name this optimizer's parameters, and hold each
+    hyperparameter they have as the kind of value this optimizer's has (a float, a pair of
+    floats, a flag), AdamW's within their domain (`_DOMAINS`); every parameter's entry holds
+    the same slots, each a scalar or a finite floating tensor of the parameter's shape, none of
+    `_NOT_NEGATIVE` below 0."""
+    params = dict(model.named_parameters())
+    names = {id(p): n for n, p in params.items()}
     expected = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
-    got = [list(g.get("params", [])) for g in state.get("param_groups", [])]
-    stray = sorted(set(state.get("state", ())) - set(names.values()))
-    if got == expected and not stray:
-        return None
-    foreign = sorted({n for g in got for n in g} - set(names.values()))
-    return (
-        "the optimizer checkpoint does not fit this model and optimizer: parameter groups of "
-        f"{[len(g) for g in got]} parameters, this optimizer has {[len(g) for g in expected]}; "
-        f"names this model does not have: {sorted({*foreign, *stray})}"
-    )
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    slots = state.get("state") if isinstance(state, dict) else None
+    if not (
+        isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        and isinstance(slots, dict)
+    ):
+        return "the optimizer checkpoint holds no `state` and `param_groups` of an optimizer"
+    got = [[n if isinstance(n, str) else repr(n)[:40] for n in g["params"]] for g in groups]
+    stray = sorted(str(n)[:80] for n in set(slots) - set(params))
+    if got != expected or stray:
+        foreign = sorted({n for g in got for n in g} - set(params))
+        return (
+            "the optimizer checkpoint does not fit this model and optimizer: parameter groups "
+            f"of {[len(g) for g in got]} parameters, this optimizer has "
+            f"{[len(g) for g in expected]}; names this model does not have: "
+            f"{sorted({*foreign, *stray})}"
+        )
+    for saved, live in zip(groups, optimizer.param_groups, strict=True):
+        # Flags torch fills in where a state lacks them (older versions); numbers it does not.
+        needed = [k for k, v in live.items() if _is_number(v) or isinstance(v, tuple)]
+        if lacking := [k for k in needed if k not in saved]:
+            return f"the optimizer checkpoint's parameter group has no {lacking[0]}"
+        for key, value in saved.items():
+            if key in live and key != "params" and not _same_kind(value, live[key]):
+                return (
+                    f"the optimizer checkpoint's hyperparameter {key} is not a {_kind(live[key])}"
+                )
+            if key in live and key in _DOMAINS and not _DOMAINS[key][0](value):
+                shown = repr(value)[:60]
+                return f"the optimizer checkpoint's {key} is {shown}, not {_DOMAINS[key][1]}"
+    if not all(isinstance(entry, dict) for entry in slots.values()):
+        return "the optimizer checkpoint's state of a parameter is not a dict of slots"
+    first = next(iter(slots.values()), {})
+    for name, entry in slots.items():
+        if entry.keys() != first.keys():
+            return f"the optimizer checkpoint's state of {name} holds other slots than the rest"
+        shape = params[name].shape
+        for key, value in entry.items():
+            tensor = isinstance(value, torch.Tensor)
+            if not (_is_number(value) or (tensor and (value.dim() == 0 or value.shape == shape))):
+                return (
+                    f"the optimizer checkpoint's {key} of {name} is neither a scalar nor a "
+                    f"tensor of the parameter's shape {tuple(shape)}"
+                )
+            if tensor and not (value.is_floating_point() and bool(torch.isfinite(value).all())):
+                return f"the optimizer checkpoint's {key} of {name} is not all finite floats"
+            if key in _NOT_NEGATIVE and (bool((value < 0).any()) if tensor else value < 0):
+                return (
+                    f"the optimizer checkpoint's {key} of {name} holds a negative value, "
+                    f"which {_NOT_NEGATIVE[key]} never is"
+                )
+    return None
+
+
+_DOMAINS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "lr": (lambda v: v >= 0, "a learning rate of 0 or more"),
+    "betas": (lambda v: all(0 <= b < 1 for b in v), "a pair of decays each in [0, 1)"),
+    "eps": (lambda v: v > 0, "more than 0 (AdamW divides by the root of a sum with it)"),
+    "weight_decay": (lambda v: v >= 0, "0 or more"),
+}
+"""AdamW's hyperparameters, and the values of their kind that AdamW takes: with another (a
+finite one too) the first step turns the weights NaN or makes them grow without bound."""
+_NOT_NEGATIVE = {
+    "step": "a count of steps",
+    "exp_avg_sq": "a mean of squares",
+    "max_exp_avg_sq": "a maximum of squares",
+}
+"""AdamW's slots that cannot be negative: the first step takes the square root of the second
+moments (a negative one makes every weight NaN) and divides by 1 - beta ** step."""
+
+
+def _is_number(value: Any) -> bool:
+    """A finite float, or an int (not a bool) that fits 64 bits."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return type(value) is int and abs(value) < 2**63
+
+
+def _same_kind(value: Any, like: Any) -> bool:
+    """Whether a hyperparameter read back is the kind of value this optimizer holds: a number
+    for a number, a tuple of as many numbers for a tuple (Adam's betas), else the same type."""
+    if _is_number(like):
+        return _is_number(value)
+    if isinstance(like, tuple):
+        return isinstance(value, tuple) and len(value) == len(like) and all(map(_is_number, value))
+    return type(value) is type(like)
+
+
+def _kind(value: Any) -> str:
+    if _is_number(value):
+        return "number"
+    if isinstance(value, tuple):
+        return f"tuple of {len(value)} numbers"
+    return type(value).__name__
 
 
 def _optimizer_skeleton(state: dict[str, Any]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from cod_fast.metrics import PositionSummary, plot_positions, solve_results, sum
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.sampler import Sampler
+from cod_fast.safe_write import write_atomic
 
 EVAL_SEED = 7_919
 """A run's eval sampler seed is train.seed + this: its own stream, the same at every evaluation."""
@@ -99,6 +100,7 @@ def eval_defaults(cfg: Config | None) -> dict:
             "temperature": 1.0,
             "top_p": 1.0,
             "seed": 0,
+            "judge": "rule",
             "settings": DriverSettings(),
             "options": {},
         }
@@ -111,6 +113,7 @@ def eval_defaults(cfg: Config | None) -> dict:
         "tasks": plan.tasks,
         "max_response_tokens": cfg.rollout.max_response_tokens,
         **run_eval_sampling(cfg),
+        "judge": cfg.rollout.judge,
         "settings": run_eval_settings(cfg),
         "options": {e.name: e.options for e in cfg.rollout.environments},
     }
@@ -175,9 +178,7 @@ def evaluate(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "eval.json.tmp"
-        tmp.write_text(json.dumps(report, indent=2))
-        tmp.replace(out / "eval.json")
+        write_atomic(out / "eval.json", json.dumps(report, indent=2))
         plot_positions(
             summaries, out / "eval.png", f"reward by pack position ({plan.setting}, {plan.size})"
         )

@@ -17,6 +17,7 @@ export is replaced; any other folder is refused, so no file of the user's is del
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors import SafetensorError
 
 from cod_fast.checkpoint import (
     Checkpoint,
@@ -32,17 +34,27 @@ from cod_fast.checkpoint import (
     complete_checkpoints,
     latest_checkpoint,
     read_model_state,
+    restoring,
+    write_cause,
 )
-from cod_fast.config import Config
+from cod_fast.config import Config, ConfigError, shown
 from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.distributed import DistContext, load_model_state
 from cod_fast.model import BUILTIN_TINY, load_policy, resolve_dtype
 from cod_fast.policy import Policy
-from cod_fast.rollout.chat import read_template
+from cod_fast.rollout.chat import names_file, read_template
+from cod_fast.run_dir import config_changes
+from cod_fast.run_log import TEMPLATE
+from cod_fast.safe_write import LinkError, fresh_folder, remove
 from cod_fast.tokenizer import load_saved_tokenizer
 
 RUN_CONFIG = "cod_fast_run.yaml"
 """The run's resolved config, in an exported model folder."""
+
+
+class ExportError(OSError):
+    """An export that could not be written (a full disk, a read-only folder): one line naming
+    `--out`, the cause and the free space; a previous export there is left as it was."""
 
 
 def read_run_config(folder: str | Path) -> Config | None:
@@ -69,6 +81,42 @@ def _checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
     return latest
 
 
+def _check_model_settings(config: Path, cfg: Config, ckpt: Checkpoint) -> None:
+    """Refuse a config.yaml whose model is not the one the checkpoint recorded it was trained
+    with (a damaged or edited file): it would build another model, or name one to download."""
+    saved = ckpt.extra.get("config")
+    changes = [c for c in config_changes(saved, cfg) if c.startswith("model.")] if saved else []
+    if changes:
+        key, change = changes[0].split(": ", 1)
+        raise ConfigError(
+            key,
+            f"{change}: {config} does not hold the model the checkpoint of step {ckpt.step} "
+            "was trained with; restore the run's config.yaml (the checkpoint's meta.json "
+            "records its settings)",
+        )
+
+
+def _run_template(run_dir: Path, cfg: Config) -> str | None:
+    """The text of the run's `model.chat_template`, from the copy the run keeps (TEMPLATE), or
+    None when it has none. The file the config names is never read: the run directory may come
+    from anyone, and that name could point at any file of this machine (whose text would then
+    leave with the export)."""
+    if cfg.model.chat_template is None:
+        return None
+    if not names_file(cfg.model.chat_template) and "{" in cfg.model.chat_template:
+        return cfg.model.chat_template  # the template itself, written in the config
+    kept = run_dir / TEMPLATE
+    if kept.is_symlink() or not kept.is_file():
+        what = "a symbolic link" if kept.is_symlink() else "missing"
+        raise ConfigError(
+            "model.chat_template",
+            f"{kept} is {what}: the run names the template file "
+            f"{shown(cfg.model.chat_template)}, and export reads only the run's own copy of it; "
+            f"copy the template the run was trained with to {kept}",
+        )
+    return read_template(str(kept))
+
+
 def _check_destination(out: Path) -> None:
     """Refuse an `out` whose replacement would delete files that are not a previous export."""
     if out.exists() and not out.is_dir():
@@ -91,19 +139,20 @@ def replacing(out: Path) -> Iterator[Path]:
     It lies beside `out` (one file system, so renames are atomic): `out` moves aside, the new
     folder moves in, the old one is removed. At every moment `out` is the previous export (or
     the empty folder), the new one, or absent (a kill between the renames). A failed write
-    removes its folder; a killed one's leftovers are removed by the next export to `out`."""
+    removes its folder; a killed one's leftovers are removed by the next export to `out`. A
+    link where the new folder goes is refused, so nothing is written through it
+    (cod_fast.safe_write)."""
     place = out.absolute()  # `--out .` has a name to put beside
     tmp = place.with_name(f".{place.name}.export-tmp")
     old = place.with_name(f".{place.name}.export-old")
-    for leftover in (tmp, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    fresh_folder(tmp)
+    remove(old)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if place.exists():
+    if os.path.lexists(place):
         place.rename(old)
     tmp.rename(place)
     shutil.rmtree(old, ignore_errors=True)
@@ -134,6 +183,8 @@ def export_model(
         raise FileNotFoundError(f"{run_dir} has no config.yaml; is it a cod-fast run directory?")
     cfg = load_config(path=str(config))
     ckpt = _checkpoint(run_dir, step)
+    _check_model_settings(config, cfg, ckpt)
+    template = _run_template(run_dir, cfg)
     _check_destination(out)
     weights = read_model_state(ckpt)
     tokenizer = None
@@ -145,15 +196,24 @@ def export_model(
     one_process = DistContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None
     )
-    load_model_state(Policy(model), weights, one_process)
+    with restoring(ckpt, "model.safetensors"):  # weights that do not fit: one line naming them
+        load_model_state(Policy(model), weights, one_process)
     model.set_attn_implementation("sdpa")
-    if cfg.model.chat_template is not None:
+    if template is not None:
         # The run's template goes into the exported tokenizer, so the folder renders prompts as
         # the run did wherever it is loaded (the template's file need not travel with it).
-        tokenizer.chat_template = read_template(cfg.model.chat_template)
+        tokenizer.chat_template = template
         cfg = replace(cfg, model=replace(cfg.model, chat_template=None))
-    with replacing(out) as folder:
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-        (folder / RUN_CONFIG).write_text(dump_yaml(cfg))
+    try:
+        with replacing(out) as folder:
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            (folder / RUN_CONFIG).write_text(dump_yaml(cfg))
+    except LinkError:  # its own line: the link and the fix
+        raise
+    except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk, a read-only folder
+        raise ExportError(
+            f"could not write the export to {out}: {write_cause(out.absolute().parent, exc)}; "
+            "free disk space or choose another --out (a previous export there is intact)"
+        ) from exc
     return ckpt

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from cod_fast.checkpoint import CheckpointError, latest_checkpoint, read_model_state, read_weights
+from cod_fast.config import clipped
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -24,17 +25,19 @@ def _is_run_dir(path: Path) -> bool:
 def check_source(path: str) -> str | None:
     """Why `path` cannot be a start (None when it can)."""
     source = Path(path)
-    if _is_run_dir(source):
-        try:
+    try:
+        if _is_run_dir(source):
             found = latest_checkpoint(source)
-        except CheckpointError as exc:  # a torn meta.json, a linked folder: its own words
-            return str(exc)
-        return None if found else f"{path} is a run directory without checkpoints"
-    if source.is_dir() and list(source.glob("*.safetensors")):
-        return None
+            return None if found else f"{path} is a run directory without checkpoints"
+        if source.is_dir() and list(source.glob("*.safetensors")):
+            return None
+    except CheckpointError as exc:  # a torn meta.json, a linked folder: its own words
+        return str(exc)
+    except OSError as exc:  # a name too long for the file system, a folder it may not read
+        return f"{clipped(path)} cannot be read ({exc.strerror})"
     return (
-        f"{path} is neither a run directory with a checkpoint nor a model folder with "
-        "*.safetensors weights (export a run with `cod-fast export`)"
+        f"{clipped(path)} is neither a run directory with a checkpoint nor a model folder "
+        "with *.safetensors weights (export a run with `cod-fast export`)"
     )
 
 

@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 
-from cod_fast.config import ModelConfig
+from cod_fast.config import Config, ModelConfig, clipped, shown
 from cod_fast.envs import env_class, make_env
 from cod_fast.envs.packs import STRATEGIES
+from cod_fast.envs.registry import is_path
 from cod_fast.evaluate import EvalPlan, eval_defaults, evaluate
-from cod_fast.export import export_model, read_run_config
+from cod_fast.export import RUN_CONFIG, export_model, read_run_config
+from cod_fast.judges import judge_problem
 from cod_fast.metrics import PositionSummary
 from cod_fast.model import (
     ModelFolderError,
@@ -39,8 +41,9 @@ from cod_fast.model import (
     model_path_problem,
     resolve_dtype,
 )
-from cod_fast.rollout.chat import ChatFormat
+from cod_fast.rollout.chat import ChatFormat, names_file
 from cod_fast.rollout.torch_sampler import TorchSampler
+from cod_fast.safe_write import write_atomic
 
 Log = Callable[[str], None]
 
@@ -73,12 +76,18 @@ def _model_folder(model: Path) -> Iterator[Path]:
 
 
 def load_player(
-    model: str | Path, flags: dict | None = None, log: Log | None = None
+    model: str | Path,
+    flags: dict | None = None,
+    log: Log | None = None,
+    *,
+    columns: Sequence[str] = (),
 ) -> tuple[dict, TorchSampler, ChatFormat]:
     """(options, sampler, chat format) for playing `model`: a run's model (exported, or its run
     directory) as its run evaluated, any other model with `eval_defaults(None)`. `flags` (keys
     of those options; None: not given) override them; `log` hears of each override of a run's
-    own value. Raises ValueError for an unknown flag or environment name before the model loads."""
+    own value; `columns`, the environments a matrix plays, stand for the environment. Raises
+    ValueError for an unknown flag or environment name before the model loads, and for what
+    the folder's own config may not choose (`received_problem`)."""
     model = model_location(model)
     with _model_folder(model) as folder:
         run = read_run_config(folder)
@@ -91,11 +100,16 @@ def load_player(
             for key, value in given.items():
                 if value != base[key]:
                     log(f"overriding the run's {key}={base[key]!r} with {value!r}")
-        o = base | given
+        o = base | given | ({"env": columns[0]} if columns else {})
+        received = run is not None and received_problem(model, run, o, set(given), columns)
+        if received:
+            raise ValueError(received)
+        if problem := judge_problem(o["judge"]):
+            raise ValueError(f"--judge: {problem}")
         # A bad name, size or option fails before the model loads.
         make_env(o["env"], o["setting"], o["size"], o["options"].get(o["env"]))
         o["settings"] = dataclasses.replace(
-            o["settings"], max_response_tokens=o["max_response_tokens"]
+            o["settings"], max_response_tokens=o["max_response_tokens"], judge=o["judge"]
         )
         model_cfg, device = _policy_config(folder, run)
         policy, tokenizer = load_policy(model_cfg, device)
@@ -103,6 +117,39 @@ def load_player(
         policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
     )
     return o, sampler, ChatFormat.for_model(tokenizer, model_cfg)
+
+
+def received_problem(
+    model: Path, run: Config, options: dict, given: set[str], columns: Sequence[str] = ()
+) -> str | None:
+    """Why a model folder's own run config (`run`) may not choose what it is played with (one
+    line), or None. The folder may come from anyone, so what it names that would run code,
+    reach another machine or read a file elsewhere is used only when the user names it too: an
+    environment given as a path (`--env`, or a matrix column) and a judge other than `rule`
+    (`--judge`; an endpoint would receive the episodes and the user's API key). A chat template
+    it names as a file is refused outright: an export carries its template in its tokenizer."""
+    env, judge = options["env"], options["judge"]
+    if is_path(env) and "env" not in given and env not in columns:
+        return (
+            f"{model} names the environment {shown(env)}, a path to code, which cod-fast does "
+            f"not import for a model folder: if you trust that code, name it yourself with "
+            f"--env {clipped(env)}"
+        )
+    if judge != "rule" and "judge" not in given:
+        return (
+            f"{model} names the judge {shown(judge)}, which cod-fast does not call for a model "
+            "folder (an endpoint would receive the episodes and your API key): name the judge "
+            f"yourself with --judge {clipped(judge)} if you trust it, or --judge rule"
+        )
+    template = run.model.chat_template
+    if template is not None and names_file(template):
+        return (
+            f"{model} names the chat template file {shown(template)}, outside the folder, "
+            f"which cod-fast does not read for a model folder: delete model.chat_template from "
+            f"{model / RUN_CONFIG} (cod-fast export writes the run's template into the "
+            "folder's tokenizer)"
+        )
+    return None
 
 
 def _policy_config(folder: Path, run) -> tuple[ModelConfig, str]:
@@ -179,7 +226,7 @@ def evaluate_matrix(
 ) -> dict:
     """Evaluate every model on every (environment, strategy); returns the matrix (written as
     matrix.json with matrix.png when `out_dir` is given). `packs`, `tasks` and `flags` (other
-    play options: size, setting, max_response_tokens, temperature, top_p, seed; None: each
+    play options: size, setting, max_response_tokens, temperature, top_p, seed, judge; None: each
     model's own) apply to every model; the environments are the columns, never a flag."""
     if "env" in flags:
         raise ValueError("the matrix's environments are its columns: pass them as `envs`")
@@ -192,7 +239,7 @@ def evaluate_matrix(
     for i, (label, model) in enumerate(zip(labels, models, strict=True)):
         if log is not None:
             log(f"model {i + 1}/{len(labels)}: {label} ({model})")
-        o, sampler, chat = load_player(model, flags, log)
+        o, sampler, chat = load_player(model, flags, log, columns=envs)
         if o["packs"] < 1:  # a run may evaluate no packs (rollout.eval_packs=0)
             raise ValueError(f"{label} would play {o['packs']} packs; give packs >= 1")
         stream = sampler.state_dict()
@@ -222,7 +269,7 @@ def evaluate_matrix(
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / "matrix.json", json.dumps(matrix, indent=2).encode())
+        write_atomic(out / "matrix.json", json.dumps(matrix, indent=2))
         plot_matrix(matrix, out / "matrix.png")
     return matrix
 
@@ -271,12 +318,5 @@ def plot_matrix(matrix: dict, path: str | Path) -> Path:
     plt.close(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, png.getvalue())
+    write_atomic(path, png.getvalue())
     return path
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """A temporary file renamed into place: a reader never sees half a file."""
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)

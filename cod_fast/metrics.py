@@ -6,6 +6,7 @@ CoD gain is the mean reward at the last position minus the mean reward at positi
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from cod_fast.diagnostics import hint_checks, hint_metrics
 from cod_fast.records import Rollout
+from cod_fast.safe_write import write_atomic
 
 
 @dataclass
@@ -186,13 +188,14 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path) -> Path:
-    """Write `fig` to `path` as a PNG and close it; atomic, so a reader never sees half a PNG."""
+    """Write `fig` to `path` as a PNG and close it; atomic, so a reader never sees half a PNG,
+    and never through a symbolic link (cod_fast.safe_write)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
-    tmp.replace(path)
+    write_atomic(path, png.getvalue())
     return path

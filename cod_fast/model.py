@@ -15,6 +15,7 @@ token id of its tokenizer, and weights that fit in this machine's memory at all.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -110,13 +111,24 @@ def load_policy(
         model = model.to(dtype)
     else:
         config, tokenizer = load_model_files(cfg.name_or_path, place, dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
-            config=config,
-            dtype=dtype,
-            attn_implementation="sdpa",
-            trust_remote_code=False,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.name_or_path,
+                config=config,
+                dtype=dtype,
+                attn_implementation="sdpa",
+                trust_remote_code=False,
+            )
+        # Pickled weights load as plain tensors only (transformers' weights_only load): a
+        # pickle that calls code is refused, never run; RecursionError: generation_config.json
+        # nested past the stack.
+        except (pickle.UnpicklingError, RecursionError) as e:
+            cause = " ".join(str(e).split()).split(". ")[0] or type(e).__name__
+            raise ModelFolderError(
+                f"{cfg.name_or_path}: its weights or generation_config.json do not load as plain "
+                f"data ({clipped(cause)}); cod-fast runs no code from a model folder: use the "
+                "model's safetensors weights"
+            ) from None
     prepare_model(model, cfg, device)
     return model.to(place), tokenizer
 
@@ -149,6 +161,11 @@ none of them fails inside sentencepiece, or (a Qwen config.json) loads a one-tok
 HUB_ID_HINT = "for a hub id, write owner/name as on huggingface.co, such as Qwen/Qwen3-0.6B"
 
 
+JSON_FILES = ("config.json", "generation_config.json")
+"""A model folder's settings files that transformers reads whole, bounded by MAX_JSON_BYTES."""
+MAX_JSON_BYTES = 2**24
+
+
 def model_path_problem(name: str) -> str | None:
     """Why `name`, meant as a local model folder, is none (one line naming it and the fix), or
     None: a folder with config.json and tokenizer files, or a hub id (whether that exists only
@@ -175,6 +192,14 @@ def model_path_problem(name: str) -> str | None:
             f"{name}: a folder without {' and '.join(missing)}; expected a model folder as "
             "`cod-fast export` or a model's save_pretrained writes it"
         )
+    for file in JSON_FILES:  # transformers reads them whole: a stranger's folder may hold gigabytes
+        entry = path / file
+        if entry.exists() and not (entry.is_file() and entry.stat().st_size <= MAX_JSON_BYTES):
+            what = "no regular file" if not entry.is_file() else f"over {MAX_JSON_BYTES} bytes"
+            return (
+                f"{name}: its {file} is {what} (a model's is a few KB); repair it (the "
+                "model's released one) or use another model folder"
+            )
     return None
 
 
@@ -190,7 +215,9 @@ def load_model_files(name: str, place: torch.device | str, dtype: torch.dtype) -
     # transformers' message instead of asking on the terminal whether to run it.
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=False)
-    except (ValueError, StrictDataclassError) as e:  # transformers' own checks of its fields
+    # ValueError, StrictDataclassError: transformers' own checks of its fields; RecursionError:
+    # JSON nested past the stack
+    except (ValueError, StrictDataclassError, RecursionError) as e:
         raise ModelFolderError(
             f"{name}: its config.json does not load ({clipped(' '.join(str(e).split()))}); "
             "repair it (the model's released config.json) or use another model folder"

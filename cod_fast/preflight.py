@@ -56,6 +56,7 @@ def preflight(cfg: Config) -> None:
     if world_size > 1:
         _environment_int("LOCAL_RANK", 0)  # the device of each rank (cod_fast.distributed)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
+    envs = _made_environments(cfg)  # imports a path environment: the first code of its own
     _check_explorers(cfg)
     if cfg.runtime.tensorboard:
         summary_writer_class()  # the package is there, before anything is written
@@ -81,7 +82,6 @@ def preflight(cfg: Config) -> None:
         )
     if cfg.train.init_from is not None and (problem := check_source(cfg.train.init_from)):
         raise ConfigError("train.init_from", problem)
-    envs = _made_environments(cfg)
     _check_device_dtype(cfg)
     _check_attention(cfg)
     _check_kernel_impls(cfg.runtime.kernel_impl)
@@ -95,15 +95,21 @@ def preflight(cfg: Config) -> None:
 
 
 def _made_environments(cfg: Config) -> list[Environment]:
-    """The run's environments, made with their options (a learn2ask cases file is read and
-    checked here, before anything is written); a ConfigError naming the one that fails."""
-    envs = []
-    for entry in cfg.rollout.environments:
+    """The run's environments, made with their options (a path is imported here, the first
+    time anything runs it; a learn2ask cases file is read and checked here, before anything is
+    written); a ConfigError naming the key of the one that fails."""
+    rollout, envs = cfg.rollout, []
+    keys = [f"rollout.envs[{i}]" for i in range(len(rollout.envs))] or ["rollout.env"]
+    for key, entry in zip(keys, rollout.environments, strict=True):
+        try:
+            env_class(entry.name)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ConfigError(key if key == "rollout.env" else f"{key}.name", str(e)) from None
         try:
             envs += make_envs([entry])
         except ValueError as e:
-            key = "rollout.env_options" if not cfg.rollout.envs else "rollout.envs"
-            raise ConfigError(key, f"environment {entry.name}: {e}") from None
+            where = "rollout.env_options" if key == "rollout.env" else f"{key}.options"
+            raise ConfigError(where, f"environment {entry.name}: {e}") from None
     return envs
 
 

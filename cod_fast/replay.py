@@ -22,18 +22,22 @@ describe the fresh batch alone.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import functools
+import math
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import numpy as np
 
 from cod_fast.batches import Batch, BatchSource
+from cod_fast.checkpoint import described
 from cod_fast.envs.base import derive_seed
-from cod_fast.records import Episode, Rollout, Turn
+from cod_fast.records import Rollout
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from cod_fast.config import TrainConfig
     from cod_fast.policy import Policy
 
@@ -88,10 +92,11 @@ def relabelled(rollouts: list[Rollout], slot: int) -> list[Rollout]:
 
 
 class ReplayBatches:
-    """A `BatchSource` that adds replayed batches to another source's fresh ones."""
+    """A `BatchSource` that adds replayed batches to another source's fresh ones; `vocab_size`,
+    the model's, bounds the token ids a pool read back from a checkpoint may hold."""
 
-    def __init__(self, inner: BatchSource, train: TrainConfig):
-        self.inner, self.train = inner, train
+    def __init__(self, inner: BatchSource, train: TrainConfig, vocab_size: int):
+        self.inner, self.train, self.vocab_size = inner, train, vocab_size
         self.pool: list[Pooled] = []
 
     def next(self, rl_step: int, policy: Policy, stop: Callable[[], bool]) -> Batch:
@@ -132,12 +137,31 @@ class ReplayBatches:
         return {"inner": self.inner.state(), "pool": pool}
 
     def load_state(self, state: Any) -> None:
-        state = state or {}
+        """Take back `state()`. A state that is not one (a damaged or edited checkpoint) is a
+        ValueError naming the entry and what is wrong, before the pool changes: every field of
+        every pooled batch is checked against its declared type (`_from_plain`), each token id
+        against the vocabulary, and the judge's flag (the one info field a step reads)."""
+        state = {} if state is None else state
+        if not isinstance(state, dict):
+            raise ValueError(f"the replay state is {described(state)}, not a dict")
+        pool = _from_plain(list[Pooled], state.get("pool", []), "the replay pool")
+        for i, pooled in enumerate(pool):
+            for episode in (e for r in pooled.rollouts for e in r.episodes):
+                if not isinstance(episode.info.get("malformed", False), bool):
+                    raise ValueError(
+                        f"the replay pool[{i}] holds episode {episode.key}, whose judge's flag "
+                        "(info.malformed) is not true or false"
+                    )
+                if any(
+                    max(t.prompt_ids + t.response_ids, default=0) >= self.vocab_size
+                    for t in episode.turns
+                ):
+                    raise ValueError(
+                        f"the replay pool[{i}] holds episode {episode.key}, whose token ids go "
+                        f"past the model's vocabulary of {self.vocab_size}"
+                    )
         self.inner.load_state(state.get("inner"))
-        self.pool = [
-            Pooled(p["version"], p["uses"], [_rollout(r) for r in p["rollouts"]])
-            for p in state.get("pool", [])
-        ]
+        self.pool = pool
 
     def close(self) -> None:
         self.inner.close()
@@ -147,8 +171,64 @@ def _plain(rollout: Rollout) -> dict[str, Any]:
     return dataclasses.asdict(rollout)
 
 
-def _rollout(data: dict[str, Any]) -> Rollout:
-    episodes = [
-        Episode(**{**e, "turns": [Turn(**t) for t in e["turns"]]}) for e in data["episodes"]
-    ]
-    return Rollout(**{**data, "episodes": episodes})
+_SCALARS: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    int: (lambda v: type(v) is int and 0 <= v < 2**63, "a non-negative integer"),
+    float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+"""The field types of the records, what a value of each must be, and how a message says so
+(every integer of a rollout, from token ids to pack ids, counts something)."""
+
+
+def _from_plain(hint: Any, value: Any, where: str) -> Any:
+    """`value`, plain data read from a checkpoint, as the type `hint` declares (a records
+    dataclass from the dict `dataclasses.asdict` made of it, a list of them, a number, ...).
+    Each field is checked against its declared type, and each dataclass against its own rules
+    (`__post_init__`), so a damaged or edited file is a ValueError naming the entry (`where`)
+    rather than a TypeError in the step that would use it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _SCALARS:
+        fits, what = _SCALARS[hint]
+        if not fits(value):
+            raise ValueError(f"{where} is {described(value)}, not {what}")
+        return value
+    if origin is Literal:
+        if not (isinstance(value, str) and value in args):
+            raise ValueError(f"{where} is {described(value)}, not one of {', '.join(args)}")
+        return value
+    if origin in (Union, types.UnionType):  # `X | None`
+        if value is None and type(None) in args:
+            return None
+        (kind,) = (a for a in args if a is not type(None))
+        return _from_plain(kind, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where} is {described(value)}, not a list")
+        (item,) = args
+        if item in _SCALARS and all(map(_SCALARS[item][0], value)):  # token ids: one fast pass
+            return list(value)
+        return [_from_plain(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:  # `info`: free-form diagnostics, by name
+        if not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+            raise ValueError(f"{where} is {described(value)}, not a dict of named values")
+        return dict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} is {described(value)}, not the fields of a {hint.__name__}")
+    hints, needed = _declared(hint)
+    if missing := sorted(needed - value.keys()):
+        raise ValueError(f"{where} has no {missing[0]}, which a {hint.__name__} needs")
+    if unknown := [str(k) for k in value if k not in hints]:
+        raise ValueError(f"{where} has a field {unknown[0][:40]!r} that a {hint.__name__} has not")
+    fields = {k: _from_plain(hints[k], v, f"{where}.{k}") for k, v in value.items()}
+    try:
+        return hint(**fields)
+    except ValueError as exc:  # the record's own rules (one log-prob per token, ...)
+        raise ValueError(f"{where}: {exc}") from None
+
+
+@functools.cache
+def _declared(cls: type) -> tuple[dict[str, Any], set[str]]:
+    """A dataclass's field types, and the fields without a default."""
+    fields = dataclasses.fields(cls)
+    needed = {f.name for f in fields if MISSING is f.default and MISSING is f.default_factory}
+    return typing.get_type_hints(cls), needed

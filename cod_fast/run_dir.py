@@ -6,6 +6,8 @@ end. The kernel drops the lock when the process dies, SIGKILL included, so a cra
 a stale lock; a second `cod-fast train` (or `--resume`) on the same folder is refused at once
 with the holder's pid. The lock is reentrant within a process (the CLI and the Trainer it builds
 both take it), since flock would otherwise refuse a second descriptor of the same process.
+A run directory may come from someone else, so taking the lock also refuses one that holds a
+symbolic link (the folder itself may be one): nothing of a run is written through a link.
 
 `--resume` continues exactly one run, or refuses:
 - nothing to continue (no folder, or no `config.yaml` of a run): refused, rather than starting a
@@ -31,6 +33,8 @@ from typing import Any
 from cod_fast.checkpoint import LATEST, Checkpoint, complete_checkpoints, latest_checkpoint
 from cod_fast.config import DERIVED, Config, shown
 from cod_fast.config_io import load_config
+from cod_fast.run_log import read_log
+from cod_fast.safe_write import LinkError, check_entries, open_fd
 
 LOCK = ".lock"
 
@@ -68,14 +72,20 @@ _held: dict[Path, list[int]] = {}
 
 def lock_run_dir(run_dir: str | Path) -> None:
     """Take the run directory's lock (creating the folder), or raise RunDirError naming the
-    process that holds it. Reentrant: every call needs its `unlock_run_dir`."""
+    process that holds it, or an entry of the folder that is a symbolic link (nothing is
+    written through one: cod_fast.safe_write), before anything is written there. Reentrant:
+    every call needs its `unlock_run_dir`."""
     path = Path(run_dir).resolve()
     if path in _held:
         _held[path][1] += 1
         return
     try:
         path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        check_entries(run_dir)
+        # No O_TRUNC: the holder's pid stays readable until this process holds the lock.
+        fd = open_fd(Path(run_dir) / LOCK, os.O_RDWR | os.O_CREAT)
+    except LinkError as e:
+        raise RunDirError(str(e)) from None
     except OSError as e:  # a read-only or foreign folder
         raise RunDirError(
             f"cannot create the run directory {run_dir} or its lock file: {e.strerror}; set "
@@ -148,7 +158,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def _logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
-    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
+    if not path.exists():
+        return 0
+    return sum(1 for line in read_log(path).splitlines() if line.strip())
 
 
 def check_resume(cfg: Config, resume: bool) -> Checkpoint | None:

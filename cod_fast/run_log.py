@@ -11,10 +11,13 @@ Layout of `runtime.run_dir`:
 - `curves.png`: reward, CoD gain, loss, KL, entropy and tokens/s against step (the warm start
   shaded), redrawn with `rewards.png`;
 - `tb/`: TensorBoard event files when `runtime.tensorboard` is on;
+- `chat_template.jinja`: the text of `model.chat_template`, when the config names one (what
+  `cod-fast export` puts in the exported tokenizer);
 - `checkpoints/`, `tokenizer/`: see cod_fast.checkpoint and cod_fast.trainer.
-Only the main rank writes. A last line of a log torn by a full disk or a power cut is dropped
-with a warning (a resume rewrites the file without it); a damaged line before it stops the
-reader with the file and the line number.
+Only the main rank writes, and nothing through a symbolic link (cod_fast.safe_write: a link
+where a log, a plot or `tb/` goes is refused, naming it). A last line of a log torn by a full
+disk or a power cut is dropped with a warning (a resume rewrites the file without it); a
+damaged line before it stops the reader with the file and the line number.
 """
 
 from __future__ import annotations
@@ -24,12 +27,19 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cod_fast.bounded_read import ReadRefused, read_bounded
 from cod_fast.config import ConfigError, shown
-from cod_fast.metrics import PositionSummary, plot_curves, plot_positions
+from cod_fast.metrics import CURVES, PositionSummary, plot_curves, plot_positions
+from cod_fast.safe_write import make_folder, open_append, write_atomic
 
+TEMPLATE = "chat_template.jinja"
+"""The text of the run's `model.chat_template`, when it names one."""
+MAX_LOG_BYTES = 2**30
+"""The largest metrics.jsonl or eval.jsonl read back: half a million steps of a large run."""
 RECENT_STEPS = 5
 """Training steps averaged into the plot's training curve."""
 PLOT_EVERY_S = 30.0
@@ -42,22 +52,29 @@ class RunLogError(ValueError):
     file, the line and the fix."""
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
+def _read_jsonl(path: Path, problem: Problem) -> tuple[list[dict[str, Any]], bool]:
     """The records of a JSON-lines log, and whether the file holds more than those records'
     lines (then the next append must not follow it as it is: `truncate` rewrites it).
 
     A record is appended in one write, so a full disk or a power cut can only tear the last
     line: that line is dropped with a warning naming the file. A damaged line with whole records
     after it is no interrupted append but a damaged file, and guessing past it could hide lost
-    steps: RunLogError naming the line.
+    steps: RunLogError naming the line. So is a whole record that its readers could not use
+    (`problem`, given the record and the ones before it, says why): a file changed since it was
+    written, never an interrupted append.
     """
     if not path.exists():
         return [], False
-    text = path.read_text(errors="replace")  # a power cut can leave bytes that are not UTF-8
+    text = read_log(path)
     lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    records = []
+    records: list[dict[str, Any]] = []
     for n, line in lines:
         record = _record(line)
+        if record is not None and (why := problem(record, records)) is not None:
+            raise RunLogError(
+                f"{path}: line {n} is not a record of this log ({why}); repair or delete that "
+                "line, then run again"
+            )
         if record is not None:
             records.append(record)
         elif n < lines[-1][0]:
@@ -76,19 +93,104 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], bool]:
     return records, not text.endswith("\n") and bool(text)
 
 
+def read_log(path: Path) -> str:
+    """The text of a log of the run (undecodable bytes replaced: a power cut can leave some),
+    RunLogError for one over MAX_LOG_BYTES or that is no regular file."""
+    try:
+        return read_bounded(path, MAX_LOG_BYTES).decode(errors="replace")
+    except ReadRefused as e:
+        raise RunLogError(
+            f"{path} is {e}, more than any run writes (about 2 KB a step); move it aside to "
+            "resume without it"
+        ) from None
+
+
 def _record(line: str) -> dict[str, Any] | None:
     """The JSON object on `line`, or None where it holds none."""
     try:
         record = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: `[[[[...` nested past the stack
         return None
     return record if isinstance(record, dict) else None
 
 
+Problem = Callable[[dict[str, Any], list[dict[str, Any]]], str | None]
+"""Why a log's record (given the records before it) cannot be read as one, or None."""
+
+
+def _is_number(value: Any) -> bool:
+    """A value a plot can draw: a float (NaN too, which the logs write as JSON's NaN), or an
+    int that converts to one."""
+    return isinstance(value, float) or (type(value) is int and abs(value) < 2**63)
+
+
+def _is_numbers(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_is_number, value))
+
+
+_FieldCheck = tuple[Callable[[Any], bool], str]
+_STEP: _FieldCheck = (lambda v: type(v) is int and 0 <= v < 2**63, "a step number")
+_NUMBERS_OR_NULL: _FieldCheck = (lambda v: v is None or _is_numbers(v), "a list of numbers or null")
+_METRICS: dict[str, _FieldCheck] = {
+    "step": _STEP,
+    **{key: (lambda v: v is None or _is_number(v), "a number or null") for key, _ in CURVES},
+}
+"""The fields of a metrics.jsonl record that its readers take (the curves, `--resume`), besides
+each `...reward_by_position`: a list of numbers or null, as long as the ones before it."""
+_EVALS: dict[str, _FieldCheck] = {
+    "step": _STEP,
+    "label": (lambda v: isinstance(v, str), "a string"),
+    "env": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "mean_reward": (_is_numbers, "a list of numbers"),
+    "std_error": _NUMBERS_OR_NULL,
+    "cod_gain": (_is_number, "a number"),
+    "num_packs": (lambda v: type(v) is int and v >= 0, "a count"),
+}
+"""The fields of an eval.jsonl record that its readers take (the plots, the run's summary,
+`--resume`), `env` and `std_error` only in runs written since they exist."""
+
+
+def _field_problem(record: dict[str, Any], checks: dict[str, _FieldCheck]) -> str | None:
+    for key, (fits, what) in checks.items():
+        if key in record and not fits(record[key]):
+            return f"its {key} is {shown(record[key])}, not {what}"
+    return None
+
+
+def _metrics_problem(record: dict[str, Any], before: list[dict[str, Any]]) -> str | None:
+    if "step" not in record:
+        return "it has no step"
+    if why := _field_problem(record, _METRICS):
+        return why
+    for key in (k for k in record if k.endswith("reward_by_position")):
+        if why := _field_problem(record, {key: _NUMBERS_OR_NULL}):
+            return why
+        # The plot averages the last records' lists position by position: one length.
+        last = next((r[key] for r in reversed(before) if r.get(key)), None)
+        if record[key] and last and len(record[key]) != len(last):
+            return f"its {key} has {len(record[key])} positions, the line before it {len(last)}"
+    return None
+
+
+def _eval_problem(record: dict[str, Any], before: list[dict[str, Any]]) -> str | None:
+    missing = [
+        key
+        for key in ("step", "label", "mean_reward", "cod_gain", "num_packs")
+        if key not in record
+    ]
+    if missing:
+        return f"it has no {missing[0]}"
+    if why := _field_problem(record, _EVALS):
+        return why
+    errors = record.get("std_error")
+    if errors is not None and len(errors) != len(record["mean_reward"]):
+        positions = len(record["mean_reward"])
+        return f"its std_error has {len(errors)} positions, its mean_reward {positions}"
+    return None
+
+
 def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def summary_writer_class() -> type:
@@ -117,13 +219,17 @@ class RunLog:
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             if tensorboard:
-                self.writer = summary_writer_class()(str(self.dir / "tb"))
+                tb = make_folder(self.dir, self.dir / "tb")
+                self.writer = summary_writer_class()(str(tb))
 
-    def write_config(self, text: str) -> None:
+    def write_config(self, text: str, template: str | None = None) -> None:
+        """Write the resolved config and, when `model.chat_template` gave one, the template's
+        text (TEMPLATE): the run then holds what its export needs, and nothing reads the file
+        the config names again."""
         if self.enabled:
-            tmp = self.dir / "config.yaml.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.dir / "config.yaml")
+            write_atomic(self.dir / "config.yaml", text)
+            if template is not None:
+                write_atomic(self.dir / TEMPLATE, template)
 
     def truncate(self, step: int) -> None:
         """Forget what a run resumed from checkpoint `step` redoes: the metrics of later steps
@@ -131,8 +237,12 @@ class RunLog:
         checkpoint). -1 forgets everything."""
         if not self.enabled:
             return
-        for path, keep in ((self.metrics_path, step), (self.eval_path, step - 1)):
-            records, torn = _read_jsonl(path)
+        logs = (
+            (self.metrics_path, step, _metrics_problem),
+            (self.eval_path, step - 1, _eval_problem),
+        )
+        for path, keep, problem in logs:
+            records, torn = _read_jsonl(path, problem)
             kept = [r for r in records if r["step"] <= keep]
             if torn or len(kept) != len(records):
                 _write_jsonl(path, kept)
@@ -141,7 +251,7 @@ class RunLog:
         """Append one step's metrics (flat JSON: numbers, lists of numbers, strings)."""
         if not self.enabled:
             return
-        with self.metrics_path.open("a") as f:
+        with open_append(self.metrics_path) as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             for name, value in record.items():
@@ -160,7 +270,7 @@ class RunLog:
         if not self.enabled:
             return
         record = {"label": label, "step": step, "env": env, **summary.to_dict()}
-        with self.eval_path.open("a") as f:
+        with open_append(self.eval_path) as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:
             tag = f"eval/{env}" if env else "eval"
@@ -168,15 +278,20 @@ class RunLog:
             self.writer.add_scalar(f"{tag}/last_position", summary.mean_reward[-1], step)
         self.plot()
 
+    def metrics(self) -> list[dict[str, Any]]:
+        """The records of metrics.jsonl (a torn last line dropped, with a warning)."""
+        return _read_jsonl(self.metrics_path, _metrics_problem)[0]
+
     def evaluations(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.eval_path)[0]
+        """The records of eval.jsonl (a torn last line dropped, with a warning)."""
+        return _read_jsonl(self.eval_path, _eval_problem)[0]
 
     def plot(self) -> None:
         """Reward by pack position: the mean of the last few training steps, and each eval;
         in a run with several environments also one plot per environment (`rewards-ENV.png`);
         and the training curves against step (`curves.png`)."""
         self.plotted_at = time.monotonic()
-        records = _read_jsonl(self.metrics_path)[0]
+        records = self.metrics()
         evals = self.evaluations()
         if records or evals:
             plot_curves(records, evals, self.dir / "curves.png")
@@ -204,7 +319,7 @@ class RunLog:
             curves[label] = PositionSummary(mean_reward=mean, success_rate=None, num_packs=0)
         several = len({r.get("env") for r in evals}) > 1
         for r in evals:
-            where = f"{r['env']}, " if several else ""
+            where = f"{r.get('env')}, " if several else ""
             curves[f"eval: {where}{r['label']} (step {r['step']})"] = PositionSummary(
                 mean_reward=r["mean_reward"],
                 success_rate=None,

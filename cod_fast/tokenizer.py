@@ -15,12 +15,16 @@ prompt token as much as for a response token.
 
 from __future__ import annotations
 
+import json
+import stat
 import string
 from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from cod_fast.bounded_read import ReadRefused, read_bounded
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -83,6 +87,25 @@ def char_tokenizer(chat_template: str | None = None) -> PreTrainedTokenizerFast:
     return _wrap(tok, chat_template, CHATML_SPECIALS, eos)
 
 
+MAX_TOKENIZER_FILE_BYTES = 2**28
+"""The largest file of a saved tokenizer folder that is read: a run's bpe vocabulary takes
+tens of KB, the largest real tokenizer.json files tens of MB."""
+_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.json",
+)
+"""The JSON files of a tokenizer folder that transformers reads, each an object."""
+_TEMPLATES = "additional_chat_templates"
+"""The one subfolder whose files transformers reads (named chat templates)."""
+
+
+class _Damage(Exception):
+    """A file of a tokenizer folder that is not what transformers reads, as `PATH is ...`."""
+
+
 def load_saved_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     """A tokenizer folder that a run saved (its bpe vocabulary), read as data only.
 
@@ -90,10 +113,66 @@ def load_saved_tokenizer(folder: str | Path) -> PreTrainedTokenizerFast:
     follow an `auto_map` in a folder someone else wrote to Python code there, and ask on the
     terminal whether to run it. A folder without tokenizer.json is refused in one line naming
     it; transformers would fail inside sentencepiece, on a slow tokenizer it cannot convert.
+
+    The folder may come from someone else, or a damaged disk: any file that is not a regular
+    one of at most MAX_TOKENIZER_FILE_BYTES (a named pipe would block the read, /dev/zero never
+    end it), a JSON file that is not an object, and whatever else keeps it from loading is one
+    ValueError line naming the folder (and the file, where it can tell) and the fix.
     """
-    if not (Path(folder) / "tokenizer.json").is_file():
-        what = "no tokenizer.json there" if Path(folder).exists() else "no such folder"
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        what = "no tokenizer.json there" if folder.exists() else "no such folder"
         raise ValueError(
             f"{folder}: {what}; expected a tokenizer folder that a run saved (its tokenizer/)"
         )
-    return PreTrainedTokenizerFast.from_pretrained(folder)
+    fix = f"restore {folder} from a copy of the run that saved it"
+    try:
+        _check_files(folder)
+    except _Damage as exc:
+        raise ValueError(f"{exc}; {fix}") from None
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    # The `tokenizers` library raises a plain Exception for a vocabulary that does not hold
+    # together ("Token `c` out of vocabulary"), and transformers whatever a setting of another
+    # type meets (TypeError, KeyError, RecursionError): any failure here is the folder's.
+    except Exception as exc:
+        text = " ".join(str(exc).split())[:200] or "no message"
+        raise ValueError(
+            f"{folder} does not load as a tokenizer ({type(exc).__name__}: {text}); {fix}"
+        ) from None
+
+
+def _check_files(folder: Path) -> None:
+    """Raise _Damage for the first file of `folder` (or of its chat templates' subfolder) that
+    is not a regular file of at most MAX_TOKENIZER_FILE_BYTES, or a JSON file of _JSON_FILES
+    that is not an object, before transformers opens any."""
+    entries = [*folder.iterdir()]
+    if (folder / _TEMPLATES).is_dir():
+        entries += (folder / _TEMPLATES).iterdir()
+    for path in sorted(entries):
+        try:
+            info = path.stat()  # a link counts as what it points to
+        except OSError as exc:  # a link to nothing, no permission
+            raise _Damage(f"{path} cannot be read ({exc.strerror or exc})") from None
+        if stat.S_ISDIR(info.st_mode):
+            continue  # transformers reads no folder but _TEMPLATES
+        if not stat.S_ISREG(info.st_mode):
+            raise _Damage(f"{path} is not a regular file (a named pipe or a device)")
+        if info.st_size > MAX_TOKENIZER_FILE_BYTES:
+            raise _Damage(f"{path} is more than {MAX_TOKENIZER_FILE_BYTES} bytes")
+    for name in _JSON_FILES:
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            data = json.loads(read_bounded(path, MAX_TOKENIZER_FILE_BYTES))
+        except ReadRefused as exc:  # changed since the stat above
+            raise _Damage(f"{path} is {exc}") from None
+        except OSError as exc:
+            raise _Damage(f"{path} cannot be read ({exc.strerror or exc})") from None
+        # JSONDecodeError, UnicodeDecodeError for binary junk, RecursionError for `[[[[...`
+        except (ValueError, RecursionError) as exc:
+            first = " ".join(str(exc).split())[:200]
+            raise _Damage(f"{path} is not valid JSON ({first})") from None
+        if not isinstance(data, dict):
+            raise _Damage(f"{path} holds a JSON {type(data).__name__}, not an object")

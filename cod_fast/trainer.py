@@ -42,6 +42,7 @@ from cod_fast.checkpoint import (
     read_optimizer_state,
     read_rank_states,
     read_weights,
+    restoring,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -94,6 +95,7 @@ from cod_fast.run_dir import (
     unlock_run_dir,
 )
 from cod_fast.run_log import RunLog
+from cod_fast.safe_write import atomic_file
 from cod_fast.teachers import Teachers
 from cod_fast.train_step import NonFiniteError, StepResult, runnable, train_step
 from cod_fast.warmstart import SFT_LOSS, demonstrations, run_tokenizer
@@ -231,7 +233,8 @@ class Trainer:
         self.sampler_step: int | None = None
         """The step whose weights the sampler holds (None: not pushed yet)."""
         if cfg.train.replay_batches:
-            self.batches = ReplayBatches(self.batches, cfg.train)
+            vocab_size = model.get_input_embeddings().num_embeddings
+            self.batches = ReplayBatches(self.batches, cfg.train, vocab_size)
         self.teachers = (
             Teachers(cfg.algo.teachers, cfg.model, self.device, self.tokenizer, self.impl)
             if cfg.algo.teachers
@@ -535,8 +538,9 @@ class Trainer:
         loss = self.cfg.algo.loss
         if loss.kl is None or loss.beta == 0:
             return
-        if save and self.ctx.is_main:
-            save_file(state, self.run_dir / REFERENCE)
+        if save and self.ctx.is_main:  # renamed into place: a link there is replaced, not followed
+            with atomic_file(self.run_dir / REFERENCE) as tmp:
+                save_file(state, tmp)
         model, _ = self._load_model(self.compute_dtype)  # frozen: no master weights
         reference = Policy(model, self.impl)
         self.reference = shard_policy(reference, self.ctx) if self.ctx.distributed else reference
@@ -620,7 +624,7 @@ class Trainer:
             self.log.truncate(-1)
         else:
             self._restore(ckpt)
-        self.log.write_config(dump_yaml(self.cfg))
+        self.log.write_config(dump_yaml(self.cfg), self.chat.own_template)
 
     def _restore(self, ckpt) -> None:
         recorded = ckpt.extra.get("tokenizer")
@@ -632,13 +636,18 @@ class Trainer:
                 "the model folder's), or start a new run_dir"
             )
         self.step = ckpt.step
-        load_model_state(self.policy, self._read_on_main(lambda: read_model_state(ckpt)), self.ctx)
+        # A state that does not fit what takes it back (a damaged or edited file) is a
+        # ValueError there, and one line naming the file here (`restoring`).
+        state = self._read_on_main(lambda: read_model_state(ckpt))
+        with restoring(ckpt, "model.safetensors"):
+            load_model_state(self.policy, state, self.ctx)
         # The optimizer that wrote the checkpoint: the warm start's up to its last step (RL then
         # starts a fresh one), RL's after.
         if self.step > self.warm_steps and self.warm_steps:
             self.optimizer = self._optimizer(warm=False)
         state = self._read_on_main(lambda: read_optimizer_state(ckpt))
-        load_optimizer_state(self.policy, self.optimizer, state, self.ctx)
+        with restoring(ckpt, "optimizer.pt"):
+            load_optimizer_state(self.policy, self.optimizer, state, self.ctx)
         if self.step > self.warm_steps:
             reference = self.run_dir / REFERENCE
             fix = "it is the KL reference (the policy as RL began): restore it from a backup"
@@ -647,10 +656,12 @@ class Trainer:
             )
             self._freeze_reference(state, save=False)
         ranks = read_rank_states(ckpt)
-        self.batches.load_state(ranks[0].get("batch_source") if ranks else None)
-        if len(ranks) == self.ctx.world_size:  # else new streams: resumed, but not bit-for-bit
-            set_rng_state(ranks[self.ctx.rank]["rng"])
-            self.sampler.load_state_dict(ranks[self.ctx.rank]["sampler"])
+        with restoring(ckpt, "ranks.pt"):
+            self.batches.load_state(ranks[0].get("batch_source"))
+            if len(ranks) == self.ctx.world_size:  # else new streams: resumed, not bit-for-bit
+                mine = ranks[self.ctx.rank]
+                set_rng_state(mine.get("rng"))
+                self.sampler.load_state_dict(mine.get("sampler"))
         self.log.truncate(self.step)
 
     def _read_on_main(self, read: Callable[[], Any]) -> Any:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from cod_fast.checkpoint import write_cause
 from cod_fast.config import Config, LossConfig
 from cod_fast.envs.base import Agent, Environment
 from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
@@ -32,6 +33,7 @@ from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver, RunState
 from cod_fast.rollout.hints import HINT_END, HINT_START, hint_block
 from cod_fast.rollout.sampler import Sample, text_sample
+from cod_fast.safe_write import LinkError
 from cod_fast.tokenizer import CHATML, bpe_tokenizer, char_tokenizer, load_saved_tokenizer
 
 SFT_LOSS = LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.2, agg="token-mean")
@@ -192,8 +194,25 @@ def run_tokenizer(
     else:
         tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
     if is_main:  # whole or absent: the other ranks load it as soon as the folder exists
-        from cod_fast.export import replacing
+        _save_tokenizer(tokenizer, saved)
+    return tokenizer
 
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, saved: Path) -> None:
+    """`tokenizer` written to `saved` whole, or an OSError of one line naming the folder, the
+    cause and the fix (a link where it goes keeps its own line, which names the link)."""
+    from cod_fast.export import replacing
+
+    try:
         with replacing(saved) as folder:
             tokenizer.save_pretrained(folder)
-    return tokenizer
+    except LinkError:
+        raise
+    # A full disk reaches here as OSError from transformers' own files and as a plain
+    # Exception from the `tokenizers` library ("File too large (os error 27)"), so any
+    # failure of the write is taken as the disk's.
+    except Exception as exc:
+        raise OSError(
+            f"could not write {saved} ({write_cause(saved, exc)}); free disk space or set "
+            "runtime.run_dir to a folder with room"
+        ) from exc

@@ -5,6 +5,7 @@ that cannot render as one error line."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import string
@@ -247,6 +248,50 @@ def test_config_fields_parse_and_reach_the_chat(tmp_path):
         load_config(overrides=["model.chat_template_kwargs=[enable_thinking]"])
 
 
+def _apply_chat_template_arguments() -> list[str]:
+    """The named arguments of transformers' `apply_chat_template`, from its signature."""
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return [n for n, p in parameters.items() if n != "self" and p.kind is not p.VAR_KEYWORD]
+
+
+@pytest.mark.parametrize("key", [*_apply_chat_template_arguments(), "messages"])
+def test_template_kwargs_may_not_name_what_cod_fast_sets(key):
+    """A template kwarg named like an argument of transformers' `apply_chat_template` (read
+    from its signature here, so an argument a new transformers adds is checked too) or like
+    the `messages` the template receives is refused in one line naming the key: cod-fast sets
+    those itself."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=[f"model.chat_template_kwargs={{{key}: true}}"])
+    message = str(caught.value)
+    assert message.startswith("model.chat_template_kwargs: ") and repr(key) in message
+    assert "cod-fast" in message and "\n" not in message
+    assert load_config(overrides=["model.chat_template_kwargs={enable_thinking: true}"])
+
+
+@pytest.mark.parametrize(
+    ("value", "refused"),
+    [
+        ("{date_string: 2024-07-26}", "chat_template_kwargs.date_string: got datetime.date"),
+        ("{blob: !!binary aGk=}", "chat_template_kwargs.blob: got b'hi'"),
+        ("{tags: !!set {a: null}}", "chat_template_kwargs.tags: got {'a'}"),
+        ("{self: x}", "'self' is not a name a template can read"),
+        ("{loop: x}", "'loop' is not a name a template can read"),
+        ("{'two words': x}", "'two words' is not a name a template can read"),
+    ],
+)
+def test_template_kwargs_are_plain_data_under_template_names(value, refused):
+    """A kwarg whose value YAML reads as a date, bytes or a set (which the run's record of its
+    config, written at the first checkpoint, could not hold) or whose name a template cannot
+    read is refused at once in one line; a quoted date is text."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(overrides=[f"model.chat_template_kwargs={value}"])
+    assert refused in str(caught.value) and "\n" not in str(caught.value)
+    quoted = load_config(overrides=["model.chat_template_kwargs={date_string: '2024-07-26'}"])
+    assert quoted.model.chat_template_kwargs == {"date_string": "2024-07-26"}
+
+
 @pytest.mark.slow
 def test_eval_runs_a_model_without_a_system_role(tmp_path):
     """`cod-fast eval` on a saved model whose tokenizer's template raises on a system message
@@ -283,9 +328,43 @@ def test_export_carries_the_runs_template_in_its_tokenizer(tmp_path):
     run = tmp_path / "run"
     options = [f"model.chat_template={path}", "model.chat_template_kwargs={enable_thinking: false}"]
     Trainer(config(run, "train.steps=0", *options)).run()
+    assert (run / "chat_template.jinja").read_text(encoding="utf-8") == THINKING
+    path.write_text("{{ 'the file now holds something else' }}")  # never read again
     export_model(run, tmp_path / "hf")
     path.unlink()  # the export must not need it
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == THINKING
     exported = load_config(path=str(tmp_path / "hf" / RUN_CONFIG))
     assert exported.model.chat_template is None
     assert exported.model.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.slow  # a training run and exports: seconds
+def test_export_of_a_received_run_reads_no_template_file_it_names(tmp_path):
+    """A run directory (from anyone) whose config names a template file: export reads only
+    the run's own copy, so a file of this machine the config points at never enters the export;
+    a run without its copy, or with a link in its place, is refused in one line."""
+    from cod_fast.config import ConfigError
+    from cod_fast.export import export_model
+    from cod_fast.trainer import Trainer
+    from tests.test_trainer import config
+
+    path = tmp_path / "thinking.jinja"
+    path.write_text(THINKING, encoding="utf-8")
+    run = tmp_path / "run"
+    Trainer(config(run, "train.steps=0", f"model.chat_template={path}")).run()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("{{ 'SECRET of this machine' }}")
+    text = (run / "config.yaml").read_text().replace(str(path), str(secret))
+    (run / "config.yaml").write_text(text)
+    for meta in (run / "checkpoints").glob("step-*/meta.json"):  # the sender edits both
+        meta.write_text(meta.read_text().replace(str(path), str(secret)))
+    export_model(run, tmp_path / "hf")
+    exported = (tmp_path / "hf" / "chat_template.jinja").read_text()
+    assert "SECRET" not in exported and exported == THINKING
+    (run / "chat_template.jinja").unlink()
+    (run / "chat_template.jinja").symlink_to(secret)
+    for kept in ("a symbolic link", "missing"):
+        with pytest.raises(ConfigError, match=f"chat_template.jinja is {kept}: the run names"):
+            export_model(run, tmp_path / "hf2")
+        (run / "chat_template.jinja").unlink(missing_ok=True)
+    assert not (tmp_path / "hf2").exists()

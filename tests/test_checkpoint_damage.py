@@ -5,7 +5,10 @@ is read or deleted; an export appears whole or not at all, and replaces only a p
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +134,21 @@ def test_torn_meta_json_is_named_and_the_older_checkpoint_still_opens(tmp_path):
     message = _one_line(str(caught.value))
     assert str(meta) in message and "is not valid JSON" in message and "step-0000001" in message
     assert ck.checkpoint_at(tmp_path, 1).extra == {"value": 1}
+
+
+def test_a_meta_json_over_its_bound_is_refused_unread(tmp_path, monkeypatch):
+    """A meta.json larger than cod-fast writes (or /dev/zero in its place) is damage named in
+    one line, not read whole."""
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    meta = tmp_path / "checkpoints" / "step-0000002" / "meta.json"
+    meta.write_text(meta.read_text() + " " * 1000)  # valid JSON, larger than a cap at step 1's
+    older = tmp_path / "checkpoints" / "step-0000001" / "meta.json"
+    monkeypatch.setattr(ck, "MAX_META_BYTES", older.stat().st_size)
+    with pytest.raises(CheckpointError) as caught:
+        latest_checkpoint(tmp_path)
+    message = _one_line(str(caught.value))
+    assert f"{meta} is more than" in message and "step-0000001" in message
 
 
 def test_non_finite_weights_name_the_first_bad_tensor(tmp_path):
@@ -333,3 +351,38 @@ def test_export_replaces_a_previous_export_as_a_whole(trained, tmp_path):
     export_model(trained, out)
     assert not (out / "model.safetensors.index.json").exists()
     assert {"config.json", "model.safetensors", RUN_CONFIG, "tokenizer.json"} <= set(_files(out))
+
+
+# A full disk, made real: the export's process may not grow a file past 64 KiB (root included),
+# and SIGXFSZ is ignored, so the weights' write fails with EFBIG as it would with ENOSPC.
+_FULL_DISK_EXPORT = """
+import resource, signal, sys
+from cod_fast.cli import app
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+sys.argv = ["cod-fast", "export", *sys.argv[1:]]
+app()
+"""
+
+
+@pytest.mark.slow  # a process of its own: seconds
+def test_export_on_a_full_disk_is_one_line_and_keeps_the_previous_export(trained, tmp_path):
+    """A write the file system refuses while `cod-fast export` writes the weights: exit 2, one
+    line naming --out and the cause, the previous export unchanged, nothing left beside it."""
+    out = tmp_path / "hf"
+    export_model(trained, out, step=1)
+    before = _files(out)
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_EXPORT, str(trained), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert errors[0].startswith(f"error: could not write the export to {out}: ")
+    assert "File too large" in errors[0]
+    assert "a previous export there is intact" in errors[0]
+    assert _files(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]

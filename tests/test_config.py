@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import time
 import typing
 
 import pytest
@@ -12,6 +13,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+import cod_fast.config_io
 from cod_fast.config import (
     AlgoConfig,
     Config,
@@ -24,6 +26,7 @@ from cod_fast.config import (
 )
 from cod_fast.config_io import apply_overrides, dump_yaml, from_dict, load_config, to_dict
 from cod_fast.presets import DEFAULT_PRESET, PRESETS
+from tests.special_files import DEV_ZERO, lonely_fifo
 
 
 def _error(overrides: list[str]) -> str:
@@ -548,3 +551,81 @@ def test_echoed_values_and_keys_are_clipped():
     with pytest.raises(ConfigError) as info:
         load_config(preset=huge)
     assert len(str(info.value)) < 500
+
+
+def _file_error(path) -> str:
+    """The one-line error of loading the config file at `path`."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path=str(path))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_config_file_over_the_cap_is_refused_before_it_is_parsed(tmp_path):
+    """A 2 MiB config file (valid YAML, which takes seconds to parse) is refused at once, in one
+    short line naming the file, the cap and the fix, without being parsed or echoed."""
+    path = tmp_path / "big.yaml"
+    lines = [f"  k{i}: value{i}" for i in range(180_000)]
+    path.write_text("rollout:\n  env_options:\n" + "\n".join(lines) + "\n")
+    assert path.stat().st_size > 2 * 2**20
+    started = time.monotonic()
+    message = _file_error(path)
+    assert time.monotonic() - started < 1.0
+    assert len(message) < 300, message[:400]
+    assert message.startswith(f"{path}: ") and str(cod_fast.config_io.MAX_CONFIG_BYTES) in message
+
+
+def test_a_config_file_at_the_cap_is_read(tmp_path, monkeypatch):
+    """The cap is the most a file may hold: a file of exactly that many bytes loads, one byte
+    more is refused."""
+    path = tmp_path / "exact.yaml"
+    path.write_text("train:\n  steps: 3\n# " + "x" * 100 + "\n")
+    monkeypatch.setattr(cod_fast.config_io, "MAX_CONFIG_BYTES", path.stat().st_size)
+    assert load_config(path=str(path)).train.steps == 3
+    monkeypatch.setattr(cod_fast.config_io, "MAX_CONFIG_BYTES", path.stat().st_size - 1)
+    assert "more than" in _file_error(path)
+
+
+def test_a_config_path_to_no_regular_file_is_refused_without_reading(tmp_path):
+    """/dev/zero (endless) and a named pipe no one writes (opening it would block) are refused
+    at once as what they are, in one line naming the path; so is a folder."""
+    with lonely_fifo(tmp_path) as fifo:
+        for path, kind in (
+            (DEV_ZERO, "character device"),
+            (fifo, "named pipe"),
+            (tmp_path, "folder"),
+        ):
+            message = _file_error(path)
+            assert message.startswith(f"{path}: ") and kind in message, message
+
+
+def test_an_override_over_the_cap_is_refused_in_one_line(monkeypatch):
+    """A `--set` longer than a config file may be is refused before it is parsed, in one short
+    line."""
+    monkeypatch.setattr(cod_fast.config_io, "MAX_CONFIG_BYTES", 1000)
+    message = _error([f"model.chat_template='{'{{ x }}' * 200}'"])
+    assert message.startswith("model.chat_template: ") and "1000" in message and len(message) < 300
+    assert load_config(overrides=[f"model.chat_template='{'{{ x }}' * 100}'"])
+
+
+def test_huge_values_in_a_config_are_refused_in_a_short_line(tmp_path):
+    """A config file with a 5 MB string where a number goes, or with a mapping of 100,000
+    unknown keys under `rollout`, is one short line (the size cap refuses both files unread);
+    the same values given as a mapping are echoed clipped, and a `--set` into a mapping of
+    100,000 keys lists them clipped."""
+    text = tmp_path / "text.yaml"
+    text.write_text("train:\n  steps: " + "x" * 5_000_000 + "\n")
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("rollout:\n" + "".join(f"  key{i}: 1\n" for i in range(100_000)))
+    for path in (text, keys):
+        assert len(_file_error(path)) < 300
+    many = {f"k{i}": "v" for i in range(100_000)}
+    for data in ({"train": {"steps": "x" * 5_000_000}}, {"rollout": many}):
+        with pytest.raises(ConfigError) as info:
+            from_dict(Config, data)
+        assert len(str(info.value)) < 600
+    cfg = from_dict(Config, {"rollout": {"env_options": many}})
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(cfg, ["rollout.env_options.nope.deeper=1"])
+    assert len(str(info.value)) < 600 and " chars)" in str(info.value)

@@ -4,18 +4,21 @@ gain, the hint hooks, the judge hooks, and user cases from a JSONL file."""
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
 from pathlib import Path
 
 import pytest
 
+import cod_fast.envs.cases
 from cod_fast.diagnostics import hint_check
 from cod_fast.envs.base import MAX_ACTION_CHARS, Agent, play_pack, play_task
 from cod_fast.envs.cases import CasesError, load_cases
 from cod_fast.envs.check import check_fuzz
 from cod_fast.envs.judge import RuleJudge, Verdict
 from cod_fast.envs.learn2ask import SHAPES, Learn2AskEnv, Learn2AskExplorer, parse_action
+from tests.special_files import DEV_ZERO, lonely_fifo
 from tests.test_diagnostics import _explorer_transcripts
 
 COMBOS = [(size, setting) for size in ("tiny", "full") for setting in ("train", "eval")]
@@ -461,6 +464,54 @@ def test_missing_cases_file_is_one_line(tmp_path):
     with pytest.raises(CasesError, match=r"absent\.jsonl: cannot read it") as error:
         load_cases(path)
     assert "\n" not in str(error.value)
+
+
+def test_a_cases_path_to_no_regular_file_is_refused_without_reading(tmp_path):
+    """/dev/zero (endless) and a named pipe no one writes (opening it would block) are refused
+    at once as what they are, in one line naming the path and the fix."""
+    with lonely_fifo(tmp_path) as fifo:
+        for path, kind in ((DEV_ZERO, "character device"), (fifo, "named pipe")):
+            with pytest.raises(CasesError) as error:
+                load_cases(path)
+            line = str(error.value)
+            assert line.startswith(f"{path}: ") and kind in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize(
+    ("bound", "value", "said"),
+    [
+        ("MAX_CASES_BYTES", 200, "more than 200 bytes"),
+        ("MAX_CASES", 2, "more than 2 cases"),
+        ("MAX_LINE_CHARS", 100, "more than 100 characters"),
+    ],
+)
+def test_a_cases_file_past_a_bound_is_one_line_naming_it(tmp_path, monkeypatch, bound, value, said):
+    """A cases file larger than the cap, with more cases than the cap or with a line longer
+    than the cap is refused in one line naming the file (and the line), the bound and the fix;
+    a file within all three loads. (The bounds are lowered here: 64 MiB, 1,000,000 cases and
+    65,536 characters a line in a run.)"""
+    good = '{"facts": {"fever": "yes"}, "answer": "flu", "distractors": ["cold"]}'
+    path = tmp_path / "cases.jsonl"
+    path.write_text(f"{good}\n" * 2, encoding="utf-8")
+    assert len(load_cases(path)) == 2
+    long = '{"facts": {"f": "no"},' + " " * 50 + '"answer": "a", "distractors": ["b"]}'
+    path.write_text(f"{good}\n" * 3 + f"{long}\n", encoding="utf-8")
+    monkeypatch.setattr(cod_fast.envs.cases, bound, value)
+    with pytest.raises(CasesError) as error:
+        load_cases(path)
+    line = str(error.value)
+    assert line.startswith(f"{path}") and said in line and "; " in line and "\n" not in line, line
+
+
+def test_a_huge_name_is_echoed_clipped(tmp_path):
+    """A name that is not one (here 60,000 characters) is named in the error in a few hundred
+    characters, not echoed whole."""
+    path = tmp_path / "cases.jsonl"
+    case = {"facts": {"fever": "yes"}, "answer": "x" * 60_000, "distractors": ["cold"]}
+    path.write_text(json.dumps(case) + "\n", encoding="utf-8")
+    with pytest.raises(CasesError, match="field 'answer'") as error:
+        load_cases(path)
+    assert len(str(error.value)) < 500
 
 
 @pytest.mark.parametrize("size", ["tiny", "full"])

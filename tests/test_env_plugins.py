@@ -191,7 +191,7 @@ def test_unknown_name_is_one_line_with_the_known_names():
     )
 
 
-def test_config_accepts_plugins_and_names_the_key_of_an_unknown_one():
+def test_config_accepts_plugins_and_names_the_key_of_an_unknown_one(tmp_path):
     """rollout.env, rollout.envs[].name and the keys of algo.teachers take a registered name or
     a path; an unknown name is refused with the key that holds it."""
     register("my_guess")(GuessEnv)
@@ -211,10 +211,26 @@ def test_config_accepts_plugins_and_names_the_key_of_an_unknown_one():
         with pytest.raises(ConfigError) as excinfo:
             load_config(overrides=overrides)
         assert str(excinfo.value).startswith(f"{key}: unknown environment 'nope'")
-    result = runner.invoke(app, ["config", "show", "--set", "rollout.env=nope:Env"])
+    # A path is checked for its form, and imported only when the environment is made: by
+    # `train`'s preflight, before anything is written.
+    assert runner.invoke(app, ["config", "show", "--set", "rollout.env=nope:Env"]).exit_code == 0
+    for path, problem in [
+        ("not a module:Env", "is neither a module (package.module) nor a file"),
+        ("nope:not-a-class", "is not a class name"),
+        ("nope.py:Env", "no file nope.py"),
+    ]:
+        with pytest.raises(
+            ConfigError, match=f"^rollout.env: environment .*: .*{re.escape(problem)}"
+        ):
+            load_config(overrides=[f"rollout.env={path}"])
+    run_dir = tmp_path / "run"
+    result = runner.invoke(
+        app, ["train", "--set", "rollout.env=nope:Env", "--set", f"runtime.run_dir={run_dir}"]
+    )
     assert result.exit_code == 2
     assert result.stderr.startswith("error: rollout.env: environment 'nope:Env': importing nope")
     assert result.stderr.count("\n") == 1
+    assert not (run_dir / "config.yaml").exists()  # refused before the run wrote anything
 
 
 # Environments that break the contract, each in one way.

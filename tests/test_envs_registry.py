@@ -63,3 +63,12 @@ def test_cli_envs_play_reads_actions_and_hints():
     assert result.exit_code == 0, result.output
     assert "Hints: null" in result.output and "Hints: 1=up" in result.output
     assert result.output.count("reward") == 2
+
+
+def test_an_unknown_option_list_is_clipped_in_its_error():
+    """100,000 options an environment does not take (a config from anywhere) make one short
+    line, not a megabyte one."""
+    options = {f"option{i}": "x" for i in range(100_000)}
+    with pytest.raises(ValueError, match="takes no option 'option0'") as info:
+        make_env("frozenlake", options=options)
+    assert len(str(info.value)) < 400 and "\n" not in str(info.value)

@@ -299,11 +299,15 @@ def test_a_run_judged_by_an_endpoint_leaves_flagged_rollouts_untrained(tmp_path)
         Trainer(load_config("tiny-cpu", overrides=overrides)).run()
         trained = len(server.asked)
         # `cod-fast eval` of the run directory plays as the run evaluated: the same cases (the
-        # run's env_options) and judge, so it reproduces the run's last evaluation.
+        # run's env_options) and judge, so it reproduces the run's last evaluation. The judge is
+        # named again: a run directory may come from anyone, and no endpoint it names is called
+        # unless the user names it too.
         out = tmp_path / "eval"
-        played = CliRunner().invoke(
-            app, ["eval", "--model", str(tmp_path / "run"), "--out", str(out)]
-        )
+        args = ["eval", "--model", str(tmp_path / "run"), "--out", str(out)]
+        refused = CliRunner().invoke(app, args)
+        assert refused.exit_code == 2 and f"--judge {url} if you trust it" in refused.output
+        assert len(server.asked) == trained
+        played = CliRunner().invoke(app, [*args, "--judge", url])
         assert played.exit_code == 0, played.output
     finally:
         server.shutdown()

@@ -1,16 +1,21 @@
 """The judge back ends of cod_fast.judges: an OpenAI-compatible endpoint (served on the loopback
-address by the test itself, its replies scripted per test), a local model folder run through the
+address by the test itself, its replies scripted per test, including hostile ones: redirects,
+echoed keys, replies that drip, never end or break HTTP), a local model folder run through the
 trainer's sampler, and `make_judge` / `judge_problem` for every kind of spec."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 import shutil
 import socket
 import threading
+import time
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import chain, repeat
 
 import pytest
 import torch
@@ -20,6 +25,7 @@ from transformers import AutoTokenizer
 from cod_fast.envs.judge import Judge, JudgeError, JudgeQuery, RuleJudge, Verdict, judge_prompt
 from cod_fast.judges import (
     API_KEY_VARS,
+    MAX_REPLY_BYTES,
     EndpointJudge,
     ModelJudge,
     judge_problem,
@@ -61,11 +67,13 @@ def one_line_error(judge: Judge, match: str) -> str:
 
 
 class Server:
-    """What the scripted endpoint answers (`status`, `body`; `hang`: no answer until `release`
-    is set) and the requests it received (path, Authorization header, JSON body)."""
+    """What the scripted endpoint answers (`status`, its `reason` phrase, extra `headers`,
+    `body`; `hang`: no answer until `release` is set) and the requests it received (method, path,
+    Authorization header, JSON body)."""
 
     def __init__(self):
-        self.status, self.body, self.hang = 200, completion("<score>0.8</score>"), False
+        self.status, self.reason, self.headers = 200, None, {}
+        self.body, self.hang = completion("<score>0.8</score>"), False
         self.release = threading.Event()
         self.requests: list[dict] = []
         self.url = ""
@@ -74,38 +82,115 @@ class Server:
 class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         server: Server = self.server.script
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        length = int(self.headers.get("Content-Length", 0))
+        body = json.loads(self.rfile.read(length)) if length else None
         auth = self.headers.get("Authorization")
-        server.requests.append({"path": self.path, "authorization": auth, "body": body})
+        server.requests.append(
+            {"method": self.command, "path": self.path, "authorization": auth, "body": body}
+        )
         if server.hang:
             server.release.wait(5.0)  # far past any timeout a test sets; teardown cuts it short
             return
-        self.send_response(server.status)
+        self.send_response(server.status, server.reason)
+        for name, value in server.headers.items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(server.body)))
         self.end_headers()
         self.wfile.write(server.body)
 
+    do_GET = do_POST  # a client that follows a redirect may come back with a GET
+
     def log_message(self, format, *args) -> None:  # the test output stays clean
         pass
 
 
-@pytest.fixture
-def server():
-    """A ThreadingHTTPServer on 127.0.0.1 (a free port) in a daemon thread, shut down after
-    the test."""
-    script = Server()
+@contextlib.contextmanager
+def serving(script: Server):
+    """A ThreadingHTTPServer on 127.0.0.1 (a free port) answering as `script` says, in a daemon
+    thread, shut down on leaving."""
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.script = script
     # A short poll: shutdown() waits for the loop's next look at its flag.
     thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     script.url = f"http://127.0.0.1:{httpd.server_port}/v1"
-    yield script
-    script.release.set()
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    try:
+        yield script
+    finally:
+        script.release.set()
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def start_server():
+    """Starts scripted endpoints, as many as a test asks for; all shut down after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda: stack.enter_context(serving(Server()))
+
+
+@pytest.fixture
+def server(start_server):
+    """One scripted endpoint."""
+    return start_server()
+
+
+class RawServer:
+    """A bare TCP server on 127.0.0.1 for what no HTTP server would send: it reads each request
+    and answers with `chunks`, `pause` seconds after each, then hangs up."""
+
+    def __init__(self):
+        self.chunks: Iterable[bytes] = ()
+        self.pause = 0.0
+        self.stop = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.02)  # the accept loop looks at `stop` this often
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/v1"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            # The client may hang up at any point: that ends this answer, not the server.
+            with conn, contextlib.suppress(OSError):
+                conn.settimeout(5.0)
+                self._read_request(conn)
+                for chunk in self.chunks:
+                    conn.sendall(chunk)
+                    if self.stop.wait(self.pause):
+                        break
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> None:
+        """The request's headers and body (Content-Length bytes), or all until the client stops
+        sending (a TLS handshake has no blank line)."""
+        data = b""
+        while b"\r\n\r\n" not in data:
+            if not (piece := conn.recv(65536)):
+                return
+            data += piece
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"content-length:\s*(\d+)", head, re.IGNORECASE)
+        while length and len(body) < int(length.group(1)):
+            body += conn.recv(65536)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.listener.close()
+
+
+@pytest.fixture
+def raw_server():
+    server = RawServer()
+    yield server
+    server.close()
 
 
 @pytest.fixture(autouse=True)
@@ -173,6 +258,7 @@ FAILURES = {
     "empty choices": (200, b'{"choices": []}', "no choices[0].message.content"),
     "no text": (200, completion(None), "not text"),
     "no score": (200, completion("I think it is right."), "unreadable reply"),
+    "nested too deeply": (200, b"[" * 200_000, "not JSON (nested too deeply)"),
 }
 
 
@@ -185,13 +271,69 @@ def test_endpoint_failures_are_one_line_errors(server, status, body, match):
     assert server.url + "/chat/completions" in message
 
 
-def test_endpoint_errors_never_show_the_api_key(server, monkeypatch):
-    """A server that echoes the request's Authorization header in its error reply does not get
-    the key into the message."""
+ECHOES = {
+    "a verdict": (200, None, completion(f"<score>1</score> checked with Bearer {KEY}")),
+    "a reply without a score": (200, None, completion(f"I cannot tell. Bearer {KEY}")),
+    "an error reply": (401, None, f'{{"error": "bad header Bearer {KEY}"}}'.encode()),
+    "a reply not JSON": (200, None, f"<html>Bearer {KEY}</html>".encode()),
+    "the reason phrase": (403, f"Forbidden for Bearer {KEY}", b""),
+    "JSON-escaped": (401, None, ('{"error": "' + KEY.replace("-", "\\u002d") + '"}').encode()),
+    "URL-encoded": (401, None, f"key={KEY.replace('-', '%2D')}".encode()),
+    "cut by a line break": (200, None, completion(f"<score>1</score> {KEY[:5]}\n{KEY[5:]}")),
+    "upper-cased": (401, None, f"unknown key {KEY.upper()}".encode()),
+}
+
+
+@pytest.mark.parametrize("status, reason, body", ECHOES.values(), ids=ECHOES.keys())
+def test_endpoint_never_passes_on_an_echoed_key(server, monkeypatch, status, reason, body):
+    """A server that echoes the Authorization header, wherever in its reply, gets the key into
+    neither an error message nor a verdict's reason (kept in the episode's info): it is blanked
+    to ***."""
     monkeypatch.setenv("COD_FAST_JUDGE_API_KEY", KEY)
-    server.status, server.body = 401, f'{{"error": "bad header Bearer {KEY}"}}'.encode()
-    message = one_line_error(EndpointJudge(server.url), "HTTP 401")
-    assert KEY not in message and "***" in message
+    server.status, server.reason, server.body = status, reason, body
+    try:
+        said = EndpointJudge(server.url).score(QUERY).reason
+    except JudgeError as error:
+        said = str(error)
+    assert KEY not in said and "***" in said, said
+    assert not any(KEY[i : i + 6] in said for i in range(len(KEY) - 5)), said
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_endpoint_follows_no_redirect(start_server, monkeypatch, status):
+    """A redirect is a one-line error naming its status and Location (the key blanked) and the
+    fix; the request never reaches the other server, so neither does the key."""
+    monkeypatch.setenv("COD_FAST_JUDGE_API_KEY", KEY)
+    elsewhere, redirecting = start_server(), start_server()
+    location = f"{elsewhere.url}/chat/completions?key={KEY}"
+    redirecting.status, redirecting.headers = status, {"Location": location}
+    message = one_line_error(EndpointJudge(redirecting.url), f"HTTP {status} redirects to")
+    assert elsewhere.requests == []
+    assert f"{elsewhere.url}/chat/completions?key=***" in message and KEY not in message
+    assert "name the final URL in rollout.judge" in message
+
+
+def test_endpoint_connects_directly_whatever_the_proxy_variables(start_server, monkeypatch):
+    """The request, key and all, goes straight to the named host: a proxy named in the
+    environment sees nothing."""
+    monkeypatch.setenv("COD_FAST_JUDGE_API_KEY", KEY)
+    judge, proxy = start_server(), start_server()
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, proxy.url.removesuffix("/v1"))
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    assert EndpointJudge(judge.url).score(QUERY).score == pytest.approx(0.8)
+    assert proxy.requests == [] and judge.requests[0]["authorization"] == f"Bearer {KEY}"
+
+
+def test_endpoint_refuses_a_key_no_header_can_carry(monkeypatch):
+    """A key with a line break (a copy-paste slip) is a one-line JudgeError naming the variable,
+    at construction, without the key; http.client would refuse the header with the key in its
+    message."""
+    monkeypatch.setenv("COD_FAST_JUDGE_API_KEY", f"{KEY}\n")
+    with pytest.raises(JudgeError, match="COD_FAST_JUDGE_API_KEY holds a line break") as error:
+        EndpointJudge("http://127.0.0.1:9/v1")
+    assert KEY not in str(error.value) and "\n" not in str(error.value)
 
 
 def test_endpoint_that_never_answers_times_out(server):
@@ -207,6 +349,109 @@ def test_endpoint_on_a_closed_port_is_unreachable():
         port = s.getsockname()[1]
     message = one_line_error(EndpointJudge(f"http://127.0.0.1:{port}/v1"), "unreachable")
     assert "is the server running?" in message
+
+
+def raw_reply(body: bytes, *headers: bytes) -> bytes:
+    """A 200 reply: the status line, `headers` (each ending in CRLF), a blank line, `body`."""
+    return b"HTTP/1.1 200 OK\r\n" + b"".join(headers) + b"\r\n" + body
+
+
+VERDICT = completion("<score>1</score>")
+SIZED = f"Content-Length: {len(VERDICT)}\r\n".encode()
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Each drips a byte (or an interim reply) every 0.2 s for 10 s, then ends in a good verdict: a
+# client bounded per read alone waits it out and scores, and so fails the test.
+DRIPS = {
+    "the headers": (
+        "http",
+        b"HTTP/1.1 200 OK\r\nX-Slow: ",
+        b"a",
+        b"\r\n" + SIZED + b"\r\n" + VERDICT,
+    ),
+    "the body": ("http", raw_reply(b"", b"Connection: close\r\n"), b" ", VERDICT),
+    "interim replies": ("http", b"", CONTINUE, raw_reply(VERDICT, SIZED)),
+    # A TLS record header announcing 16 KiB: the handshake waits for every byte of it (CPython
+    # bounds a handshake as a whole; this keeps the client's own TLS wrap under the deadline).
+    "the TLS handshake": ("https", b"\x16\x03\x03\x40\x00", b"\x00", b""),
+}
+
+
+@pytest.mark.slow  # each waits out its one-second deadline
+@pytest.mark.parametrize("scheme, head, drop, tail", DRIPS.values(), ids=DRIPS.keys())
+def test_endpoint_that_drips_its_reply_times_out(raw_server, scheme, head, drop, tail):
+    """timeout_s bounds the whole request, connect to the reply's last byte: a server that keeps
+    each read short of any per-read timeout, one byte every 0.2 s, is cut at 1 s."""
+    raw_server.chunks, raw_server.pause = chain([head], repeat(drop, 50), [tail]), 0.2
+    url = raw_server.url.replace("http", scheme, 1)
+    start = time.monotonic()
+    one_line_error(EndpointJudge(url, timeout_s=1.0), "no answer within 1 s")
+    assert time.monotonic() - start < 5.0
+
+
+SPACES = b" " * 65536  # JSON may start with any amount of white space
+# Each streams 16 MiB (a gigabyte would look the same to the client) then a good verdict.
+ENDLESS = {
+    "until closed": (b"Connection: close\r\n", SPACES, VERDICT),
+    "a length of 1 GiB": (b"Content-Length: 1073741824\r\n", SPACES, VERDICT),
+    "chunked": (
+        b"Transfer-Encoding: chunked\r\n",
+        b"10000\r\n" + SPACES + b"\r\n",
+        f"{len(VERDICT):x}\r\n".encode() + VERDICT + b"\r\n0\r\n\r\n",
+    ),
+}
+
+
+@pytest.mark.parametrize("header, piece, tail", ENDLESS.values(), ids=ENDLESS.keys())
+def test_endpoint_reads_no_reply_over_the_cap(raw_server, header, piece, tail):
+    """A reply over MAX_REPLY_BYTES is a one-line error as soon as the cap is passed, whatever
+    its framing; the client reads no further (it neither waits for the rest nor holds it)."""
+    raw_server.chunks = chain([raw_reply(b"", header)], repeat(piece, 256), [tail])
+    start = time.monotonic()
+    judge = EndpointJudge(raw_server.url, timeout_s=30.0)
+    one_line_error(judge, f"the reply is over {MAX_REPLY_BYTES} bytes")
+    assert time.monotonic() - start < 5.0
+
+
+def test_endpoint_error_reply_over_the_cap_keeps_its_status(raw_server):
+    """An error reply over the cap still says its status (the body is not quoted)."""
+    head = b"HTTP/1.1 500 Internal Server Error\r\nConnection: close\r\n\r\n"
+    raw_server.chunks = chain([head], repeat(SPACES, 256))
+    message = one_line_error(EndpointJudge(raw_server.url), "HTTP 500 Internal Server Error")
+    assert f"over {MAX_REPLY_BYTES} bytes" in message
+
+
+BROKEN = {
+    "hangs up at once": b"",
+    "hangs up in the status line": b"HTTP/1.1 20",
+    "hangs up in the headers": b"HTTP/1.1 200 OK\r\nContent-Ty",
+    "no HTTP": b"SSH-2.0-OpenSSH_9.6\r\n",
+    "binary": bytes(range(256)) * 4,
+    "a status that is no number": b"HTTP/1.1 OK fine\r\n\r\n",
+    "a status out of range": b"HTTP/1.1 20000 OK\r\n\r\n",
+    "the key as the status": f"HTTP/1.1 {KEY}\r\n\r\n".encode(),
+    "a header line over 64 KiB": raw_reply(b"", b"X-Long: " + b"a" * 70_000 + b"\r\n"),
+    "too many headers": raw_reply(b"", b"X-Many: y\r\n" * 101),
+    "a length that is no number": raw_reply(b"<html>", b"Content-Length: lots\r\n"),
+    "a negative length": raw_reply(b"<html>", b"Content-Length: -5\r\n"),
+    "a body short of its length": raw_reply(VERDICT, b"Content-Length: 500\r\n"),
+    "a chunk size that is no number": raw_reply(b"zz\r\nabc", b"Transfer-Encoding: chunked\r\n"),
+    "a negative chunk size": raw_reply(b"-5\r\n" + VERDICT, b"Transfer-Encoding: chunked\r\n"),
+    "a chunk short of its size": raw_reply(
+        b"ffff\r\n" + VERDICT, b"Transfer-Encoding: chunked\r\n"
+    ),
+    "no last chunk": raw_reply(b"5\r\nhello\r\n", b"Transfer-Encoding: chunked\r\n"),
+}
+
+
+@pytest.mark.parametrize("answer", BROKEN.values(), ids=BROKEN.keys())
+def test_endpoint_that_breaks_http_is_a_judge_error(raw_server, monkeypatch, answer):
+    """Whatever bytes come back, the judge raises JudgeError (nothing else): one printable line
+    naming the endpoint, without the key."""
+    monkeypatch.setenv("COD_FAST_JUDGE_API_KEY", KEY)
+    raw_server.chunks = [answer]
+    judge = EndpointJudge(raw_server.url, timeout_s=5.0)
+    message = one_line_error(judge, f"judge endpoint {judge.url}: ")
+    assert message.isprintable() and KEY not in message, message
 
 
 # --- a local model folder -------------------------------------------------------------------------
@@ -334,7 +579,7 @@ def test_judge_problem_passes_good_specs_without_loading_or_requesting(folder, m
         raise AssertionError("judge_problem loaded a model or sent a request")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", forbidden)
-    monkeypatch.setattr("urllib.request.urlopen", forbidden)
+    monkeypatch.setattr(socket, "create_connection", forbidden)
     for spec in ["rule", "http://127.0.0.1:8000/v1", "https://judge.example", str(folder)]:
         assert judge_problem(spec) is None, spec
 

@@ -17,6 +17,9 @@ from cod_fast.replay import PACK_ID_STRIDE, ReplayBatches, replay_noise
 from cod_fast.trainer import Trainer
 from tests.test_trainer import FAST, metrics, parameters
 
+VOCAB = 64
+"""Token ids of the test rollouts stay below this."""
+
 
 def _rollouts(step: int, packs: int = 2, group: int = 2) -> list[Rollout]:
     turn = Turn(prompt_ids=[1, step], response_ids=[2, 3], response_logprobs=[-0.5, -0.25])
@@ -101,7 +104,7 @@ def test_replayed_batches_follow_the_priority_rule(seed):
     )
     lag = rng.randint(0, 2)
     stale = lambda b: min(b, lag)  # noqa: E731
-    source = ReplayBatches(StaleSource(stale), train)
+    source = ReplayBatches(StaleSource(stale), train, VOCAB)
     want = _reference_picks(train, stale, 12)
     for step in range(12):
         batch = source.next(step, None, lambda: False)
@@ -121,15 +124,15 @@ def test_the_pool_survives_a_checkpoint_as_plain_data():
     loads no objects); a source restored from it replays exactly what the uninterrupted one
     does, and hands the inner source its own state back."""
     train = TrainConfig(replay_batches=2, replay_use_limit=3, replay_sigma=1.0, replay_max_age=3)
-    straight = ReplayBatches(StaleSource(lambda b: 0), train)
-    cut = ReplayBatches(StaleSource(lambda b: 0), train)
+    straight = ReplayBatches(StaleSource(lambda b: 0), train, VOCAB)
+    cut = ReplayBatches(StaleSource(lambda b: 0), train, VOCAB)
     for step in range(5):
         straight.next(step, None, lambda: False)
         cut.next(step, None, lambda: False)
     buffer = io.BytesIO()
     torch.save(cut.state(), buffer)
     buffer.seek(0)
-    restored = ReplayBatches(StaleSource(lambda b: 0), train)
+    restored = ReplayBatches(StaleSource(lambda b: 0), train, VOCAB)
     restored.load_state(torch.load(buffer, weights_only=True))
     assert restored.inner.loaded == {"inner": "kept"}
     for step in range(5, 10):

@@ -118,6 +118,33 @@ def test_a_damaged_line_before_the_last_is_refused_naming_file_line_and_fix(tmp_
         log.evaluations()
 
 
+def test_a_log_over_its_bound_or_no_file_is_refused_unread(tmp_path, monkeypatch):
+    """A log larger than any run writes, or a log that is /dev/zero or a named pipe (a run
+    directory from elsewhere), is one RunLogError naming the file and the fix, without reading
+    it whole or waiting for a writer."""
+    import os
+
+    from cod_fast import run_log
+    from cod_fast.run_dir import _logged_steps
+
+    log = _logged_run(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    monkeypatch.setattr(run_log, "MAX_LOG_BYTES", metrics.stat().st_size - 1)
+    with pytest.raises(RunLogError, match=rf"^{re.escape(str(metrics))} is more than \d+ bytes"):
+        log.truncate(4)
+    with pytest.raises(RunLogError, match="move it aside to resume without it"):
+        _logged_steps(tmp_path)
+    monkeypatch.undo()
+    metrics.unlink()
+    metrics.symlink_to("/dev/zero")
+    with pytest.raises(RunLogError, match="a character device such as /dev/zero"):
+        log.metrics()
+    metrics.unlink()
+    os.mkfifo(metrics)
+    with pytest.raises(RunLogError, match="a named pipe, not a regular file"):
+        log.truncate(4)
+
+
 @pytest.mark.slow
 def test_a_resumed_run_drops_a_torn_last_line_and_refuses_a_damaged_one(tmp_path):
     """A real run stopped after step 3, then a power cut's torn line at the end of metrics.jsonl

@@ -4,18 +4,28 @@ One JSON object per line, `{"facts": {"fever": "yes", "cough": "no"}, "answer": 
 "distractors": ["cold", "allergy"], "group": "respiratory"}` (`group` optional). Names are
 matched in lower case with runs of whitespace made one space (`normalise`). Anything else is a
 `CasesError` of one line naming the file, the line, the field and the fix; cod_fast.preflight
-reads the file before a run writes anything.
+reads the file before a run writes anything. The file is bounded (MAX_CASES_BYTES, MAX_CASES,
+MAX_LINE_CHARS) and must be a regular file: `/dev/zero` or a named pipe is refused unread.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from cod_fast.bounded_read import ReadRefused, read_bounded
+
 MAX_NAME_CHARS = 40
 """The longest condition or finding name read (a longer `ask` is a malformed action)."""
+MAX_CASES_BYTES = 64 * 2**20
+"""The largest cases file read: about a million cases of a few findings each."""
+MAX_CASES = 1_000_000
+"""The most cases a file may hold (each costs about a kilobyte of memory)."""
+MAX_LINE_CHARS = 65_536
+"""The longest line, one case: a thousand findings of the longest names fit in it."""
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9 '-]*")
 
 
@@ -44,8 +54,8 @@ def _name(where: str, field: str, value: object) -> str:
     name = normalise(value) if isinstance(value, str) else ""
     if not (_NAME_RE.fullmatch(name) and len(name) <= MAX_NAME_CHARS):
         raise CasesError(
-            f"{where}: field '{field}' has {value!r}; write a name of letters, digits, spaces, "
-            f"' and - (at most {MAX_NAME_CHARS} characters)"
+            f"{where}: field '{field}' has {reprlib.repr(value)}; write a name of letters, "
+            f"digits, spaces, ' and - (at most {MAX_NAME_CHARS} characters)"
         )
     return name
 
@@ -79,7 +89,9 @@ def _case(where: str, text: str) -> Case:
         )
     group = row.get("group", "")
     if not isinstance(group, str):
-        raise CasesError(f"{where}: field 'group' is {group!r}; write a name or leave it out")
+        raise CasesError(
+            f"{where}: field 'group' is {reprlib.repr(group)}; write a name or leave it out"
+        )
     facts = {_name(where, "facts", k): v.lower() for k, v in facts.items()}
     return Case(facts, answer, tuple(names), group)
 
@@ -89,10 +101,26 @@ def load_cases(path: str | Path) -> list[Case]:
     `{"facts": {"fever": "yes"}, "answer": "flu", "distractors": ["cold"], "group": "g"}` with
     `group` optional. CasesError, in one line, for anything else."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = read_bounded(path, MAX_CASES_BYTES).decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise CasesError(f"{path}: cannot read it ({type(e).__name__}); pass a JSONL file") from e
-    cases = [_case(f"{path}:{n}", line) for n, line in enumerate(lines, 1) if line.strip()]
+    except ReadRefused as e:
+        raise CasesError(
+            f"{path}: cannot read it ({e}); pass a JSONL file of at most {MAX_CASES_BYTES} bytes"
+        ) from None
+    cases = []
+    for n, line in enumerate(lines, 1):
+        if len(line) > MAX_LINE_CHARS:
+            raise CasesError(
+                f"{path}:{n}: the line is {len(line)} characters long, more than "
+                f"{MAX_LINE_CHARS} characters; write one case per line, in fewer characters"
+            )
+        if line.strip():
+            if len(cases) == MAX_CASES:
+                raise CasesError(
+                    f"{path}: more than {MAX_CASES} cases; keep at most that many in one file"
+                )
+            cases.append(_case(f"{path}:{n}", line))
     if not cases:
         raise CasesError(f"{path}: no cases; write one JSON object per line")
     return cases

@@ -8,6 +8,12 @@ a lone file outside any package works); entry points of the group `cod_fast.envi
 read only for a name that is none of the others, afresh each time (a package installed since
 counts). Every failure is an `EnvironmentLookupError` of one line: the name, what was tried and
 the known names, or the path and the error its import raised.
+
+Nothing is imported to check a name (`environment_problem`, which every config runs): a path or
+an entry point is imported only when its environment is made. A config read from a folder
+someone else wrote (a run directory, an exported model) therefore runs no code by being read,
+and the commands that would make its environment refuse a path it names unless the user names
+that path too (cod_fast.matrix `load_player`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -117,8 +124,8 @@ def make_env(
     taken = [p for p in inspect.signature(cls).parameters if p not in ("setting", "size")]
     if unknown := sorted(set(options) - set(taken)):
         raise ValueError(
-            f"environment {name} takes no option {', '.join(map(repr, unknown))}; it takes "
-            f"{', '.join(map(repr, taken)) or 'none'}"
+            f"environment {clipped(name)} takes no option {clipped(', '.join(map(repr, unknown)))};"
+            f" it takes {', '.join(map(repr, taken)) or 'none'}"
         )
     env = cls(setting=setting, size=size, **options)
     if getattr(env, "name", None) != name:
@@ -138,17 +145,55 @@ def known_environments() -> list[str]:
     return names + [name for name in _entry_points() if name not in names]
 
 
+def is_path(name: str) -> bool:
+    """Whether `name` is a path to a class (`module:Class`, `file.py:Class`): code that only
+    importing tells anything about, which cod-fast imports only when the user names it."""
+    return ":" in name  # a registered name has none (`register` refuses one)
+
+
 def environment_problem(name: str) -> str | None:
-    """Why `name` means no environment, None when it does: the config's check of an environment
-    name. A built-in is not imported for it (a config is built often, its environment later);
-    a path is, since only its import tells whether it holds an environment."""
-    if name in ENVIRONMENTS:
+    """Why `name` means no environment, None when it may: the config's check of an environment
+    name. It imports nothing: a built-in or registered name is known, an entry point's name is
+    read from the installed packages' metadata, and a path is checked for its form (a file path
+    must name a file) and imported only when the environment is made (`env_class`), so that
+    building a config (from a run directory, say) never runs the code it names."""
+    if name in ENVIRONMENTS or name in _registered:
         return None
-    try:
-        env_class(name)
-    except EnvironmentLookupError as e:
-        return str(e)
+    if ":" in name:
+        return _path_problem(name)
+    return None if name in _entry_points() else _unknown(name)
+
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def _path_problem(path: str) -> str | None:
+    """Why `path` is no `module:attr` or `file.py:attr` (one line), or None; nothing imported."""
+    where, _, attr = path.rpartition(":")
+    what = f"environment {shown(path)}"
+    if not attr.isidentifier():
+        return f"{what}: {clipped(attr)!r} is not a class name; write module:Class or file.py:Class"
+    if _is_file(where):
+        if not Path(where).is_file():
+            return _no_file(what, where)
+        return None
+    if not _MODULE.fullmatch(where):
+        return (
+            f"{what}: {clipped(where)!r} is neither a module (package.module) nor a file "
+            "(path/to/file.py); write module:Class or file.py:Class"
+        )
     return None
+
+
+def _is_file(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or "\\" in where
+
+
+def _no_file(what: str, where: str) -> str:
+    return (
+        f"{what}: no file {clipped(where)} (a path is relative to the working directory, "
+        f"{Path.cwd()})"
+    )
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
@@ -172,12 +217,9 @@ def _load_path(path: str) -> object:
     """The object `path` (`module:attr` or `file.py:attr`) names, imported."""
     where, _, attr = path.rpartition(":")  # rpartition: a Windows path has a colon of its own
     what = f"environment {shown(path)}"
-    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    is_file = _is_file(where)
     if is_file and not Path(where).is_file():
-        raise EnvironmentLookupError(
-            f"{what}: no file {clipped(where)} (a path is relative to the working directory, "
-            f"{Path.cwd()})"
-        )
+        raise EnvironmentLookupError(_no_file(what, where))
     try:
         module = _import_file(Path(where)) if is_file else importlib.import_module(where)
     except Exception as e:  # a plugin's import may raise anything: one line, the cause chained

