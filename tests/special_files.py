@@ -1,11 +1,13 @@
 """Paths that name no regular file, for the tests of bounded reads: `/dev/zero`, which reads
 for ever, and a named pipe (FIFO) that no one writes, whose opening for reading blocks until a
-writer comes."""
+writer comes; and a full disk, made real for one `cod-fast` command (`on_a_full_disk`)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,3 +33,31 @@ def lonely_fifo(folder: Path, seconds: float = 10.0) -> Iterator[Path]:
         yield path
     finally:
         timer.cancel()
+
+
+# The process may not grow a file past the limit (root included), and SIGXFSZ is ignored, so a
+# write fails with EFBIG ("File too large") as it would with ENOSPC on a full disk.
+_FULL_DISK = """
+import resource, signal, sys
+from cod_fast.cli import app
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+sys.argv = ["cod-fast", *sys.argv[2:]]
+app()
+"""
+
+
+def on_a_full_disk(args: list[str], limit: int) -> str:
+    """Run `cod-fast ARGS` in a process that may write no file past `limit` bytes; it must exit
+    with 2 and one `error:` line and no traceback. Returns that line."""
+    result = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(limit), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    return errors[0]

@@ -5,10 +5,7 @@ is read or deleted; an export appears whole or not at all, and replaces only a p
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from cod_fast.cli import app
 from cod_fast.config_io import dump_yaml, load_config
 from cod_fast.export import RUN_CONFIG, export_model
 from cod_fast.init_from import check_source, initial_weights
+from tests.special_files import on_a_full_disk
 
 runner = CliRunner()
 
@@ -353,18 +351,6 @@ def test_export_replaces_a_previous_export_as_a_whole(trained, tmp_path):
     assert {"config.json", "model.safetensors", RUN_CONFIG, "tokenizer.json"} <= set(_files(out))
 
 
-# A full disk, made real: the export's process may not grow a file past 64 KiB (root included),
-# and SIGXFSZ is ignored, so the weights' write fails with EFBIG as it would with ENOSPC.
-_FULL_DISK_EXPORT = """
-import resource, signal, sys
-from cod_fast.cli import app
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
-sys.argv = ["cod-fast", "export", *sys.argv[1:]]
-app()
-"""
-
-
 @pytest.mark.slow  # a process of its own: seconds
 def test_export_on_a_full_disk_is_one_line_and_keeps_the_previous_export(trained, tmp_path):
     """A write the file system refuses while `cod-fast export` writes the weights: exit 2, one
@@ -372,17 +358,8 @@ def test_export_on_a_full_disk_is_one_line_and_keeps_the_previous_export(trained
     out = tmp_path / "hf"
     export_model(trained, out, step=1)
     before = _files(out)
-    result = subprocess.run(
-        [sys.executable, "-c", _FULL_DISK_EXPORT, str(trained), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert errors[0].startswith(f"error: could not write the export to {out}: ")
-    assert "File too large" in errors[0]
-    assert "a previous export there is intact" in errors[0]
+    error = on_a_full_disk(["export", str(trained), "--out", str(out)], 64 * 1024)
+    assert error.startswith(f"error: could not write the export to {out}: ")
+    assert "File too large" in error and "a previous export there is intact" in error
     assert _files(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]

@@ -10,8 +10,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +28,7 @@ from cod_fast.checkpoint import (
 )
 from cod_fast.cli import app
 from cod_fast.tokenizer import load_saved_tokenizer
+from tests.special_files import on_a_full_disk
 from tests.test_trainer import FAST
 
 runner = CliRunner()
@@ -324,17 +323,8 @@ def test_every_reader_of_a_runs_tokenizer_refuses_its_damage_in_one_line(trained
 
 # --- a full disk while `train` saves its tokenizer -----------------------------------------------
 
-# A full disk, made real: the process may not grow a file past 3000 bytes (root included), and
-# SIGXFSZ is ignored, so the tokenizer's write fails with EFBIG as it would with ENOSPC (the
-# `tokenizers` library reports it as a plain Exception, "File too large (os error 27)").
-_FULL_DISK_TRAIN = """
-import resource, signal, sys
-from cod_fast.cli import app
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
-sys.argv = ["cod-fast", "train", *sys.argv[1:]]
-app()
-"""
+# A full disk while `train` saves its tokenizer (the `tokenizers` library reports it as a plain
+# Exception, "File too large (os error 27)").
 
 
 @pytest.mark.slow  # a process of its own: seconds
@@ -346,15 +336,7 @@ def test_a_full_disk_while_train_saves_its_tokenizer_is_one_line(tmp_path):
     sets = [
         a for s in [*FAST, "model.tokenizer=bpe", f"runtime.run_dir={run}"] for a in ("--set", s)
     ]
-    result = subprocess.run(
-        [sys.executable, "-c", _FULL_DISK_TRAIN, *sets],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"{run / 'tokenizer'}" in errors[0] and "File too large" in errors[0], errors[0]
-    assert "free space there" in errors[0] and "runtime.run_dir" in errors[0], errors[0]
+    error = on_a_full_disk(["train", *sets], 3000)
+    assert f"{run / 'tokenizer'}" in error and "File too large" in error, error
+    assert "free space there" in error and "runtime.run_dir" in error, error
     assert not (run / "tokenizer").exists() and not list(run.glob(".tokenizer*"))
