@@ -160,10 +160,10 @@ def _tried(what: str, setter: Callable[[Any], Any], value: Any) -> None:
     try:
         setter(value)
     except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
-        raise ValueError(f"{what} is not one ({_first_words(exc)})") from None
+        raise ValueError(f"{what} is not one ({first_words(exc)})") from None
 
 
-def _is_size(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """A count or size read from a file: an int (not a bool) from 0 to 2**63."""
     return type(value) is int and 0 <= value < 2**63
 
@@ -306,7 +306,7 @@ def write_cause(folder: Path, exc: BaseException) -> str:
         free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2**20:.0f} MiB"
     except OSError:
         free = "unknown"
-    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else _first_words(exc)
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_words(exc)
     return f"{cause} (free space there: {free})"
 
 
@@ -321,7 +321,7 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint | None:
             name = f.read(64).decode(errors="replace").strip()
     except OSError as exc:  # a folder named `latest`, no permission
         raise CheckpointError(
-            f"{root / LATEST} cannot be read ({_first_words(exc)}); write the name of a "
+            f"{root / LATEST} cannot be read ({first_words(exc)}); write the name of a "
             "checkpoint folder of the run (step-NNNNNNN) into it"
         ) from None
     if not _NAME.fullmatch(name):
@@ -378,7 +378,7 @@ def restoring(ckpt: Checkpoint, name: str) -> Iterator[None]:
     try:
         yield
     except ValueError as exc:
-        damage = _Damage(ckpt.path / name, f"is damaged ({_first_words(exc)})")
+        damage = _Damage(ckpt.path / name, f"is damaged ({first_words(exc)})")
         raise _damaged(ckpt.path.parent, ckpt.step, damage) from None
 
 
@@ -423,9 +423,9 @@ def _checked_meta(folder: Path, step: int) -> dict[str, Any]:
         raise _Damage(path, f"is {exc}, not a meta.json cod-fast writes") from None
     # JSONDecodeError, UnicodeDecodeError for binary junk, RecursionError for `[[[[...`
     except (ValueError, RecursionError) as exc:
-        raise _Damage(path, f"is not valid JSON ({_first_words(exc)})") from None
+        raise _Damage(path, f"is not valid JSON ({first_words(exc)})") from None
     except OSError as exc:  # a folder named meta.json, no permission
-        raise _Damage(path, f"cannot be read ({_first_words(exc)})") from None
+        raise _Damage(path, f"cannot be read ({first_words(exc)})") from None
     if not (isinstance(meta, dict) and type(meta.get("step")) is int):
         raise _Damage(path, "is valid JSON but holds no step number")
     if meta["step"] != step:
@@ -437,7 +437,7 @@ def _checked_meta(folder: Path, step: int) -> dict[str, Any]:
         if key in extra and not fits(extra[key]):
             raise _Damage(path, f"holds an `extra.{key}` of {described(extra[key])}, not {what}")
     sizes = meta.get("sizes", {})
-    if not (isinstance(sizes, dict) and all(_is_size(sizes.get(n, 0)) for n in FILES)):
+    if not (isinstance(sizes, dict) and all(is_count(sizes.get(n, 0)) for n in FILES)):
         raise _Damage(path, "holds `sizes` that are not the byte counts of the folder's files")
     for name in FILES:
         _check_file(folder / name, sizes.get(name))
@@ -446,8 +446,8 @@ def _checked_meta(folder: Path, step: int) -> dict[str, Any]:
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _EXTRA: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "warm_start_steps": (_is_size, "a step count"),
-    "world_size": (lambda v: _is_size(v) and v > 0, "a process count"),
+    "warm_start_steps": (is_count, "a step count"),
+    "world_size": (lambda v: is_count(v) and v > 0, "a process count"),
     "compute_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
     "master_dtype": (lambda v: v in _DTYPES, f"one of {', '.join(_DTYPES)}"),
     "config": (lambda v: isinstance(v, dict), "an object of config fields"),
@@ -472,7 +472,7 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         state = load_file(path)
     except (OSError, SafetensorError) as exc:
-        raise _Damage(path, f"cannot be read ({_first_words(exc)})") from None
+        raise _Damage(path, f"cannot be read ({first_words(exc)})") from None
     # NaN weights load without complaint and fail much later (the sampler's multinomial draw
     # indexes out of range): refuse them here, before any compute.
     for name, tensor in state.items():
@@ -495,13 +495,13 @@ def _load_plain(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"{path} holds more than tensors and plain data, so it was not loaded "
-            f"({_first_words(exc)}); it was not written by this version of cod-fast, or was "
+            f"({first_words(exc)}); it was not written by this version of cod-fast, or was "
             "changed since: resume only from checkpoints you wrote"
         ) from None
     # A cut or overwritten zip archive: RuntimeError from torch's reader, EOFError when empty;
     # flipped bytes in its pickle: whatever the unpickler meets (TypeError, KeyError, ...).
     except Exception as exc:
-        raise _Damage(path, f"cannot be read ({_first_words(exc)})") from None
+        raise _Damage(path, f"cannot be read ({first_words(exc)})") from None
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -523,7 +523,7 @@ def _check_stored(path: Path) -> None:
     # that does not decode, EOFError, struct.error).
     except Exception as exc:
         raise _Damage(
-            path, f"cannot be read (not a whole zip archive: {_first_words(exc)})"
+            path, f"cannot be read (not a whole zip archive: {first_words(exc)})"
         ) from None
     for record in records:
         if record.compress_type != zipfile.ZIP_STORED:
@@ -549,7 +549,7 @@ def _load_rank_states(path: Path) -> list[dict[str, Any]]:
     return states
 
 
-def _first_words(exc: BaseException) -> str:
+def first_words(exc: BaseException) -> str:
     """The first sentence of an error (torch's go on for lines), or its type when it is empty."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0].split(". ")[0][:200]

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from cod_fast.attention import KERNELS, packed_attention_kwargs, resolve_attn_impl
+from cod_fast.checkpoint import first_words
 from cod_fast.config import ModelConfig, clipped
 from cod_fast.lean import make_lean
 from cod_fast.packing import MicroBatch
@@ -123,10 +124,9 @@ def load_policy(
         # pickle that calls code is refused, never run; RecursionError: generation_config.json
         # nested past the stack.
         except (pickle.UnpicklingError, RecursionError) as e:
-            cause = " ".join(str(e).split()).split(". ")[0] or type(e).__name__
             raise ModelFolderError(
                 f"{cfg.name_or_path}: its weights or generation_config.json do not load as plain "
-                f"data ({clipped(cause)}); cod-fast runs no code from a model folder: use the "
+                f"data ({first_words(e)}); cod-fast runs no code from a model folder: use the "
                 "model's safetensors weights"
             ) from None
     prepare_model(model, cfg, device)

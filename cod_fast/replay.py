@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, Union
 import numpy as np
 
 from cod_fast.batches import Batch, BatchSource
-from cod_fast.checkpoint import described
+from cod_fast.checkpoint import described, is_count
 from cod_fast.envs.base import derive_seed
 from cod_fast.records import Rollout
 
@@ -172,7 +172,7 @@ def _plain(rollout: Rollout) -> dict[str, Any]:
 
 
 _SCALARS: dict[Any, tuple[Callable[[Any], bool], str]] = {
-    int: (lambda v: type(v) is int and 0 <= v < 2**63, "a non-negative integer"),
+    int: (is_count, "a non-negative integer"),
     float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
     str: (lambda v: isinstance(v, str), "a string"),
 }

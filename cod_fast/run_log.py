@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cod_fast.bounded_read import ReadRefused, read_bounded
+from cod_fast.checkpoint import is_count
 from cod_fast.config import ConfigError, shown
 from cod_fast.metrics import CURVES, PositionSummary, plot_curves, plot_positions
 from cod_fast.safe_write import make_folder, open_append, write_atomic
@@ -129,7 +130,7 @@ def _is_numbers(value: Any) -> bool:
 
 
 _FieldCheck = tuple[Callable[[Any], bool], str]
-_STEP: _FieldCheck = (lambda v: type(v) is int and 0 <= v < 2**63, "a step number")
+_STEP: _FieldCheck = (is_count, "a step number")
 _NUMBERS_OR_NULL: _FieldCheck = (lambda v: v is None or _is_numbers(v), "a list of numbers or null")
 _METRICS: dict[str, _FieldCheck] = {
     "step": _STEP,

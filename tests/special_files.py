@@ -1,6 +1,7 @@
 """Paths that name no regular file, for the tests of bounded reads: `/dev/zero`, which reads
 for ever, and a named pipe (FIFO) that no one writes, whose opening for reading blocks until a
-writer comes; and a full disk, made real for one `cod-fast` command (`on_a_full_disk`)."""
+writer comes; a full disk, made real for one `cod-fast` command (`on_a_full_disk`); and the one
+`error:` line a refused command prints (`cli_error`)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def on_a_full_disk(args: list[str], limit: int) -> str:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 2, result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    return _error_line(result.stderr)
+
+
+def cli_error(result) -> str:
+    """The one `error:` line a command run through typer's CliRunner printed as it was refused
+    (exit code 2, no traceback), after what it printed on its way (`eval` says which model it
+    loads)."""
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return _error_line(result.stderr)
+
+
+def _error_line(stderr: str) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr
     return errors[0]

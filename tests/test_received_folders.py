@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from cod_fast.cli import app
 from cod_fast.config_io import load_config
 from cod_fast.export import RUN_CONFIG
+from tests.special_files import cli_error
 from tests.test_trainer import FAST
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,13 +55,6 @@ def _edit_yaml(path: Path, section: str, key: str, value: object) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _one_line_error(result) -> str:
-    assert result.exit_code != 0, result.output
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.output, result.output
-    return errors[0]
-
-
 def test_reading_a_config_that_names_a_path_imports_nothing(tmp_path):
     """Building a config checks a path's form only; the import comes when the environment is
     made."""
@@ -83,7 +77,7 @@ def test_export_of_a_received_run_runs_none_of_its_code(trained, tmp_path):
     assert (tmp_path / "hf" / "config.json").is_file()
     assert not marker.exists()
     # Playing the run directory itself exports it first, then refuses the path (next test).
-    refused = _one_line_error(runner.invoke(app, ["eval", "--model", str(run)]))
+    refused = cli_error(runner.invoke(app, ["eval", "--model", str(run)]))
     assert "a path to code" in refused and not marker.exists()
 
 
@@ -104,7 +98,7 @@ def test_resume_of_a_received_run_runs_none_of_its_code(trained, tmp_path, in_ch
             del data["extra"]["config"]
         meta.write_text(json.dumps(data))
     sets = [a for s in [*FAST, f"runtime.run_dir={run}"] for a in ("--set", s)]
-    refused = _one_line_error(runner.invoke(app, ["train", "--resume", *sets]))
+    refused = cli_error(runner.invoke(app, ["train", "--resume", *sets]))
     assert "was not trained with: rollout.env" in refused
     assert not marker.exists()
 
@@ -119,7 +113,7 @@ def test_eval_refuses_a_received_environment_path_until_the_user_names_it(traine
     args = ["eval", "--model", str(model), "--packs", "1", "--tasks", "1"]
     args += ["--max-response-tokens", "4", "--out", str(tmp_path / "eval")]
     for command in (args, ["rollout", *args[1:5], "--packs", "1", "--tasks", "1"]):
-        refused = _one_line_error(runner.invoke(app, command))
+        refused = cli_error(runner.invoke(app, command))
         assert f"name it yourself with --env {env}" in refused
         assert not marker.exists()
     matrix = [*args, "--matrix", "--env", "frozenlake", "--strategy", "cod"]
@@ -163,11 +157,11 @@ def test_eval_refuses_a_received_judge_until_the_user_names_it(
     _edit_yaml(model / RUN_CONFIG, "rollout", "judge", endpoint)
     args = ["eval", "--model", str(model), "--packs", "1", "--tasks", "1"]
     args += ["--max-response-tokens", "4", "--out", str(tmp_path / "eval")]
-    refused = _one_line_error(runner.invoke(app, args))
+    refused = cli_error(runner.invoke(app, args))
     assert f"--judge {endpoint} if you trust it, or --judge rule" in refused
     assert _Recorder.seen == []
     assert runner.invoke(app, [*args, "--judge", "rule"]).exit_code == 0
-    bad = _one_line_error(runner.invoke(app, [*args, "--judge", str(tmp_path / "nothing")]))
+    bad = cli_error(runner.invoke(app, [*args, "--judge", str(tmp_path / "nothing")]))
     assert bad.startswith("error: --judge: ") and "no such folder" in bad
     assert _Recorder.seen == []
 
@@ -193,7 +187,7 @@ def test_eval_reads_no_template_file_a_received_folder_names(trained, tmp_path):
     model = shutil.copytree(trained[1], tmp_path / "model")
     _edit_yaml(model / RUN_CONFIG, "model", "chat_template", str(secret))
     args = ["eval", "--model", str(model), "--packs", "1", "--tasks", "1"]
-    refused = _one_line_error(runner.invoke(app, [*args, "--out", str(tmp_path / "eval")]))
+    refused = cli_error(runner.invoke(app, [*args, "--out", str(tmp_path / "eval")]))
     assert f"names the chat template file '{secret}'" in refused
     assert "delete model.chat_template" in refused and not (tmp_path / "eval").exists()
 
@@ -205,13 +199,13 @@ def test_eval_names_an_out_folder_it_cannot_write(trained, tmp_path):
     args += ["--max-response-tokens", "4"]
     blocked = tmp_path / "a-file"
     blocked.write_text("mine")
-    refused = _one_line_error(runner.invoke(app, [*args, "--out", str(blocked / "eval")]))
+    refused = cli_error(runner.invoke(app, [*args, "--out", str(blocked / "eval")]))
     assert refused.startswith(f"error: --out {blocked / 'eval'}: ")
     out, target = tmp_path / "eval", tmp_path / "elsewhere"
     out.mkdir()
     target.write_text("mine")
     (out / ".eval.json.tmp").symlink_to(target)
-    refused = _one_line_error(runner.invoke(app, [*args, "--out", str(out)]))
+    refused = cli_error(runner.invoke(app, [*args, "--out", str(out)]))
     assert "is a symbolic link" in refused and target.read_text() == "mine"
     assert blocked.read_text() == "mine"
 
@@ -237,7 +231,7 @@ class _Runs:
 
 def _eval_refusal(model: Path, tmp_path: Path) -> str:
     args = ["eval", "--model", str(model), "--packs", "1", "--tasks", "1"]
-    return _one_line_error(runner.invoke(app, [*args, "--out", str(tmp_path / "eval")]))
+    return cli_error(runner.invoke(app, [*args, "--out", str(tmp_path / "eval")]))
 
 
 def test_a_model_folder_with_pickled_weights_that_call_code_is_one_line(hf_folder, tmp_path):

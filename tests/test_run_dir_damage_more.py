@@ -28,7 +28,7 @@ from cod_fast.checkpoint import (
 )
 from cod_fast.cli import app
 from cod_fast.tokenizer import load_saved_tokenizer
-from tests.special_files import on_a_full_disk
+from tests.special_files import cli_error, on_a_full_disk
 from tests.test_trainer import FAST
 
 runner = CliRunner()
@@ -37,16 +37,6 @@ runner = CliRunner()
 def _one_line(message: str) -> str:
     assert "\n" not in message.strip() and "Traceback" not in message, message
     return message
-
-
-def _cli_error(result) -> str:
-    """The one `error:` line a refused command prints (exit code 2, no traceback), after what
-    it printed on its way (`eval` says which model it loads)."""
-    assert result.exit_code == 2, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.output, result.output
-    return errors[0]
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +183,7 @@ def test_an_optimizer_state_out_of_adamws_domain_is_refused_at_resume(trained, t
     torch.save(state, path)
     before = (run / "metrics.jsonl").read_bytes()
     own = ["--config", str(run / "config.yaml"), "--set", f"runtime.run_dir={run}"]
-    message = _cli_error(runner.invoke(app, ["train", "--resume", *own]))
+    message = cli_error(runner.invoke(app, ["train", "--resume", *own]))
     assert f"{path} is damaged (the optimizer checkpoint's {named} " in message, message
     assert (run / "metrics.jsonl").read_bytes() == before
 
@@ -292,7 +282,7 @@ def test_export_of_a_run_with_a_damaged_tokenizer_is_one_line(trained, tmp_path,
     run = _copy(trained, tmp_path)
     TOKENIZER_DAMAGE[damage][0](run / "tokenizer")
     result = runner.invoke(app, ["export", str(run), "--out", str(tmp_path / "hf")])
-    message = _cli_error(result)
+    message = cli_error(result)
     assert f"{run / 'tokenizer'}" in message and "restore" in message, message
     assert not (tmp_path / "hf").exists()
 
@@ -317,7 +307,7 @@ def test_every_reader_of_a_runs_tokenizer_refuses_its_damage_in_one_line(trained
         "eval": ["eval", "--model", str(run), "--packs", "1", "--out", str(tmp_path / "eval")],
     }
     for name, args in commands.items():
-        message = _cli_error(runner.invoke(app, args))
+        message = cli_error(runner.invoke(app, args))
         assert f"{run / 'tokenizer'}" in message, (name, message)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from cod_fast.checkpoint import is_count
 from cod_fast.rollout.chat import ChatFormat
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -58,7 +59,7 @@ def sampler_calls(state: Any) -> int:
     """The call count of a sampler's `state_dict()` read back from a checkpoint; ValueError for
     anything else (a damaged or edited ranks.pt)."""
     calls = state.get("calls") if isinstance(state, dict) else None
-    if not (type(calls) is int and 0 <= calls < 2**63):
+    if not is_count(calls):
         raise ValueError("the sampler's state holds no call count (a non-negative integer)")
     return calls
 
