@@ -38,7 +38,7 @@ import json
 import statistics
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, run_meta
 from cod_fast.bench.rl_effect import (
     PRESET,
     Arm,
@@ -48,7 +48,6 @@ from cod_fast.bench.rl_effect import (
     train_process,
     warm_checkpoint,
 )
-from cod_fast.bench.train import _append_csv, _print_table, run_meta
 
 MODELS = {
     "tiny": [],
@@ -231,16 +230,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = run(args) if args.models else []
     meta, out = run_meta(), Path(args.out)
     if rows:
-        _print_table("asynchronous RL on the CPU (trainer and sampler one core each)", TABLE, rows)
-        _append_csv(out / "async.csv", TABLE, rows, meta)
+        print_table("asynchronous RL on the CPU (trainer and sampler one core each)", TABLE, rows)
+        append_csv(out / "async.csv", TABLE, rows, meta)
     summary = {**meta, "settings": vars(args), "rows": rows}
     if args.learn_seeds:
         summary["learning"] = learn(args)
         learn_rows = _learn_rows(summary["learning"])
-        _print_table(
+        print_table(
             "CoD gain with and without staleness (mean +- std over seeds)", LEARN_TABLE, learn_rows
         )
-        _append_csv(out / "async_learning.csv", LEARN_TABLE, learn_rows, meta)
+        append_csv(out / "async_learning.csv", LEARN_TABLE, learn_rows, meta)
     return emit_summary(summary, out / "async.json")
 
 

@@ -48,7 +48,7 @@ CASES = {
     "packed-4k-v152k": Case(seq_lens=(1300, 1400, 1396), hidden=896, vocab=151936, trainable=0.3),
     # An 8B-class head on a GPU: N = 16384, H = 4096, V = 151936, bf16.
     "h100": Case(seq_lens=(1024,) * 16, hidden=4096, vocab=151936, gpu_only=True),
-    # Smoke test only (tests/test_bench.py): seconds, not a measurement.
+    # Smoke test only (tests/bench/test_bench.py): seconds, not a measurement.
     "tiny": Case(seq_lens=(40, 24), hidden=32, vocab=128, trainable=0.5),
 }
 
@@ -220,7 +220,7 @@ def make_step(contender: str):
                 x.advantages,
                 x.segment_ids,
                 rollout_logp=x.rollout_logp,
-                config=cfg,
+                loss_config=cfg,
                 impl=impl,
             )
             out.loss.backward()
@@ -276,7 +276,7 @@ def make_step(contender: str):
                 rollout_logp=x.rollout_logp,
                 denominator=x.n_trainable,
             )
-            loss, _ = policy_loss_from_logp(logp, inputs, config=cfg)
+            loss, _ = policy_loss_from_logp(logp, inputs, loss_config=cfg)
             loss.backward()
             return loss
 

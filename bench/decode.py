@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.train import StepShape, _append_csv, _print_table, resolve_device, run_meta
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, resolve_device, run_meta
+from cod_fast.bench.train_workload import StepShape
 
 SEED = 0
 CONTENDERS = {  # name: (static_shapes, cuda_graphs)
@@ -107,7 +107,7 @@ def measure(shape: StepShape, device: str, args) -> list[dict]:
 
     import torch
 
-    from cod_fast.tokenizer import CHATML, char_tokenizer
+    from cod_fast.model.tokenizer import CHATML, char_tokenizer
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape = TINY if args.tiny else QWEN3_0_6B
     meta = run_meta()
     rows = measure(shape, args.device, args)
-    _append_csv(args.out / "decode.csv", TABLE, rows, meta)
-    _print_table(
+    append_csv(args.out / "decode.csv", TABLE, rows, meta)
+    print_table(
         f"torch sampler decode steps on {meta['machine']} ({shape.describe()})", TABLE, rows
     )
     settings = {k: v for k, v in vars(args).items() if k != "out"} | {"shape": asdict(shape)}

@@ -30,10 +30,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, run_meta
 from cod_fast.bench.rl_effect import fmt_spread, spread
-from cod_fast.bench.train import _append_csv, _print_table, run_meta
-from cod_fast.config_io import load_config
+from cod_fast.config.io import load_config
 
 STUDENT, MIXED = "tiny-cpu-opd", "tiny-cpu-mixed"
 
@@ -221,10 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"teacher scoring {s['share'][0]:.1%} of a student RL step "
         f"({s['share_of_train'][0]:.1%} of its training phase)"
     )
-    _print_table(title, TABLE, rows)
+    print_table(title, TABLE, rows)
     meta = run_meta()
     out = Path(args.out)
-    _append_csv(out / "distill.csv", TABLE, rows, meta)
+    append_csv(out / "distill.csv", TABLE, rows, meta)
     settings = {"seeds": args.seeds, "set": args.set}
     return emit_summary({**meta, "settings": settings, **results}, out / "distill.json")
 

@@ -34,27 +34,27 @@ Models, random seeded weights saved as a Hugging Face folder that every contende
   both contenders (TRL decodes completions for the reward; vLLM detokenizes).
 
 Contenders, each in its own process (a worker whose last stdout line is JSON):
-- `cod-fast`: the trainer itself (cod_fast.trainer.Trainer, preset `tiny-cpu-tbt`: GRPO advantages
-  (r - mean_G r) / (std_G r + 1e-6), token-level `ppo` clipping with eps 0.2 / 0.28, token-mean,
-  no KL, no RED weight) on the model folder. A step is Trainer._one_step with the rollout driver
-  replaced by one batched call of the trainer's sampler over the P x G prompts (single turn):
-  sample, decode, reward, then the trainer's own `_update` (advantages, packing, Policy +
-  train_step with the fused loss, the C++ kernels on the CPU, clip, AdamW) and weight push.
-  The sampler is `--cod-sampler`; `auto` takes the faster one per size measured by `cod-fast
-  bench sampler` (docs/benchmarks.md): now the torch sampler for both sizes (an explicit `vllm`
-  without vLLM is skipped). vLLM's engine start is `start s`, outside the step; the weight push
-  into the engine after each update is `push s`, inside it.
-- `trl`: `GRPOTrainer` of TRL >= 1.16 with its default CPU generation (transformers `generate`,
-  no vLLM), on the same folder, with GRPOConfig set to the same work: num_generations = G,
-  per_device_train_batch_size = P x G completions with one gradient-accumulation step (so the
-  generation batch is one optimizer step's P prompts x G), max_completion_length = N,
-  temperature, top_p (top_k 0 is TRL's default), learning rate, AdamW with weight decay 0 and
-  gradient clip 1.0, beta = 0 (no reference model), epsilon / epsilon_high = 0.2 / 0.28, no
-  eval, no saving, report_to none, use_cpu, fp32. Sampling time is TRL's own
-  `_generate_and_score_completions` (timed by a subclass that calls it unchanged); a step is
-  `on_step_begin` to `on_step_end` of a TrainerCallback, and training the rest of it.
+- `cod-fast` (cod_fast.bench.e2e_cod): the trainer itself (cod_fast.train.trainer.Trainer,
+  preset `tiny-cpu-tbt`: GRPO advantages (r - mean_G r) / (std_G r + 1e-6), token-level `ppo`
+  clipping with eps 0.2 / 0.28, token-mean, no KL, no RED weight) on the model folder. A step is
+  Trainer._rl_step with the rollout driver replaced by one batched call of the trainer's sampler
+  over the P x G prompts (single turn): sample, decode, reward, then the trainer's own `_update`
+  (advantages, packing, Policy + train_step with the fused loss, the C++ kernels on the CPU,
+  clip, AdamW) and weight push. The sampler is `--cod-sampler`; `auto` takes the faster one per
+  size measured by `cod-fast bench sampler` (docs/benchmarks.md): now the torch sampler for both
+  sizes (an explicit `vllm` without vLLM is skipped). vLLM's engine start is `start s`, outside
+  the step; the weight push into the engine after each update is `push s`, inside it.
+- `trl` (cod_fast.bench.e2e_trl): `GRPOTrainer` of TRL >= 1.16 with its default CPU generation
+  (transformers `generate`, no vLLM), on the same folder, with GRPOConfig set to the same work:
+  num_generations = G, per_device_train_batch_size = P x G completions with one
+  gradient-accumulation step (so the generation batch is one optimizer step's P prompts x G),
+  max_completion_length = N, temperature, top_p (top_k 0 is TRL's default), learning rate, AdamW
+  with weight decay 0 and gradient clip 1.0, beta = 0 (no reference model), epsilon /
+  epsilon_high = 0.2 / 0.28, no eval, no saving, report_to none, use_cpu, fp32. Sampling time is
+  TRL's own `_generate_and_score_completions` (timed by a subclass that calls it unchanged); a
+  step is `on_step_begin` to `on_step_end` of a TrainerCallback, and training the rest of it.
 - `cod-multiturn` (a reference, cod-fast only; TRL has nothing like it): one CoD step of the
-  `tiny-cpu` preset's trainer (Trainer._one_step: P packs x G members, 4 tasks per pack, solve and
+  `tiny-cpu` preset's trainer (Trainer._rl_step: P packs x G members, 4 tasks per pack, solve and
   update episodes through the real rollout driver, one-side REC, RED weight) with the size's
   model folder in place of the built-in model, the same sampler, and the step's own split into
   sampling, training and push. With random weights its rewards rarely differ within a group,
@@ -85,7 +85,7 @@ What still differs between cod-fast and TRL, and why:
   + 1e-4) (scale_rewards="group"). The same up to a factor sqrt((G - 1) / G) and the epsilon.
 - Loss aggregation: TRL's default loss_type `dapo` (sum over completion tokens / their count in
   the batch) is cod-fast's `token-mean` with one accumulation step.
-- Model modules: cod-fast runs its memory-lean MLPs and norms (cod_fast.lean, the trainer's
+- Model modules: cod-fast runs its memory-lean MLPs and norms (cod_fast.model.lean, the trainer's
   default) and its packed attention; TRL the stock transformers modules with SDPA.
 - Optimizer: both AdamW (lr 3e-4, betas 0.9 / 0.999, eps 1e-8, weight decay 0); TRL's default
   `adamw_torch_fused` (one fused kernel), cod-fast's trainer `torch.optim.AdamW` defaults
@@ -131,29 +131,30 @@ import tempfile
 import time
 from pathlib import Path
 
-from cod_fast.bench.e2e_trl import trl_worker
-from cod_fast.bench.e2e_workload import PRESET, reward, save_e2e_model, steps_of, task_prompts
-from cod_fast.bench.kernels import (
-    _percentile,
-    _rss_mib,
-    _rss_peak_mib,
+from cod_fast.bench.e2e_cod import MULTITURN_PRESET, PRELOAD_COD, cod_worker
+from cod_fast.bench.e2e_trl import PRELOAD_TRL, trl_worker
+from cod_fast.bench.e2e_workload import PRESET, save_e2e_model, steps_of
+from cod_fast.bench.harness import (
+    OthersCPU,
+    append_csv,
     comma_choices,
     emit_summary,
+    percentile,
+    print_table,
+    reset_rss_peak,
+    rss_mib,
+    rss_peak_mib,
     run_json_worker,
+    run_meta,
 )
-from cod_fast.bench.sampler import PRELOAD, PRELOAD_VLLM, _reset_peak, _vllm_version, describe_model
-from cod_fast.bench.train import OthersCPU, _append_csv, _print_table, run_meta
-from cod_fast.prefix_tree import unique_tokens
+from cod_fast.bench.sampler import PRELOAD_VLLM, vllm_version
+from cod_fast.bench.sampler_contenders import describe_model
 
-MULTITURN_PRESET = "tiny-cpu"
-"""The reference row's CoD step."""
 CONTENDERS = ("cod-fast", "trl", "cod-multiturn")
 SIZES = ("tiny", "small")
 COD_SAMPLER = {"tiny": "torch", "small": "torch"}
 """`--cod-sampler auto`: the faster sampler per size in `cod-fast bench sampler`
 (docs/benchmarks.md; vLLM was faster for `small` until the torch sampler's fast decode path)."""
-PRELOAD_COD = (*PRELOAD, "cod_fast.trainer")
-PRELOAD_TRL = ("datasets", "trl", "trl.trainer.grpo_trainer")
 # Columns of the CSV and of the table where they have a header: (key, header, format).
 # fmt: off
 TABLE = (
@@ -180,161 +181,6 @@ TABLE = (
 
 
 # --------------------------------------------------------------------------------------------
-# cod-fast: the trainer, a single-turn step and the multi-turn reference.
-
-
-def _cod_config(preset: str, spec: dict, run_dir: str, **model):
-    """The preset with the benchmark's model, sampler, workload and run folder."""
-    from cod_fast.config_io import load_config
-
-    n = spec["max_completion"]
-    overrides = [
-        f"rollout.sampler={spec['sampler']}",
-        f"rollout.packs_per_step={spec['prompts']}",
-        f"rollout.group_size={spec['group']}",
-        f"rollout.max_response_tokens={n}",
-        "rollout.eval_packs=0",
-        "train.warm_start_steps=0",
-        f"runtime.run_dir={run_dir}",
-        "runtime.checkpoint_every=0",
-        *(f"model.{key}={value}" for key, value in model.items()),
-    ]
-    return load_config(preset, overrides=overrides)
-
-
-def single_turn_step(trainer, env, batch: list[tuple[int, list[int]]]) -> dict:
-    """One GRPO step of `trainer` on `batch`'s prompts, G completions each: Trainer._one_step
-    with one batched sampler call in place of the rollout driver."""
-    from cod_fast.algo.assign import assign_advantages
-    from cod_fast.records import Episode, Rollout, Turn
-
-    cfg, group = trainer.cfg, trainer.cfg.rollout.group_size
-    cap = cfg.rollout.max_response_tokens
-    t0 = time.perf_counter()
-    prompts = [ids for _, ids in batch for _ in range(group)]
-    samples = trainer.sampler.generate(prompts, [cap] * len(prompts))
-    rollouts = []
-    for i, sample in enumerate(samples):
-        pack, member = divmod(i, group)
-        turn = Turn(
-            prompt_ids=prompts[i],
-            response_ids=sample.token_ids,
-            response_logprobs=sample.logprobs,
-            finish_reason=sample.finish_reason,
-        )
-        r = reward(env, batch[pack][0], trainer.chat.decode(sample.token_ids))
-        episode = Episode(
-            pack_id=pack, member=member, kind="solve", task_index=0, turns=[turn], reward=r
-        )
-        rollouts.append(Rollout(pack_id=pack, member=member, env=env.name, episodes=[episode]))
-    t_sampled = time.perf_counter()
-    assign_advantages(rollouts, cfg.algo)
-    if hasattr(trainer.sampler, "sleep"):  # as the trainer does (a no-op on the CPU)
-        trainer.sampler.sleep()
-    update = trainer._update(rollouts, cfg.algo.loss, cfg.train.mini_batches)
-    t_trained = time.perf_counter()
-    trainer._sync_sampler()
-    t_end = time.perf_counter()
-    lengths = [len(s.token_ids) for s in samples]
-    episodes = [r.episodes[0] for r in rollouts]
-    return {
-        "step_s": t_end - t0,
-        "sample_s": t_sampled - t0,
-        "train_s": t_trained - t_sampled,
-        "push_s": t_end - t_trained,
-        "completions": len(samples),
-        "completion_lengths": lengths,
-        "real_tokens": sum(map(len, prompts)) + sum(lengths),
-        "tree_tokens": unique_tokens(
-            [p + s.token_ids for p, s in zip(prompts, samples, strict=True)]
-        ),
-        "train_tokens": update.tokens,  # what the trainer packed
-        "trainable_tokens": sum(s.trainable_tokens for s in update.steps),
-        "rewards": [e.reward for e in episodes],
-        "adv_nonzero": sum(e.advantage != 0 for e in episodes) / len(episodes),
-        "loss": update.steps[-1].loss if update.steps else None,
-    }
-
-
-def _record_rollouts(trainer) -> None:
-    """Give `trainer` a rollout driver that keeps its last rollouts (`driver.last`)."""
-    from cod_fast.rollout.driver import RolloutDriver
-
-    class Recorded(RolloutDriver):
-        def run(self, packs, group_size, **options):
-            self.last = super().run(packs, group_size, **options)
-            return self.last
-
-    recorded = Recorded(trainer.envs, trainer.sampler, trainer.chat, trainer.settings)
-    trainer.driver = trainer.batches.driver = recorded
-
-
-def _multiturn_step(trainer) -> dict:
-    """One CoD step of the trainer (its driver from _record_rollouts): its own record, and what
-    its rollouts hold."""
-    record = trainer._one_step()
-    episodes = [e for r in trainer.driver.last for e in r.episodes]
-    turns = [t for e in episodes for t in e.turns]
-    lengths = [len(t.response_ids) for t in turns]
-    return {
-        **{k: record[k] for k in ("step_s", "sample_s", "train_s", "push_s")},
-        "completions": len(turns),
-        "completion_lengths": lengths,
-        "real_tokens": sum(len(t.prompt_ids) + len(t.response_ids) for t in turns),
-        "train_tokens": record["tokens"],  # prefix-merged: earlier turns are read once
-        "trainable_tokens": record["trainable_tokens"],
-        "rewards": [e.reward for e in episodes],
-        "adv_nonzero": sum(e.advantage != 0 for e in episodes) / len(episodes),
-        "loss": record["loss"],
-    }
-
-
-def _cod_worker(spec: dict, tmp: str):
-    """A cod-fast contender's `start`, after a tiny warm-up of the same path (before the memory
-    baseline): start() builds the trainer and returns (model, run), run(n) runs n steps and
-    returns their records."""
-    from cod_fast.envs import make_env
-    from cod_fast.trainer import Trainer
-
-    preset = MULTITURN_PRESET if spec["contender"] == "cod-multiturn" else PRESET
-    tiny = {"prompts": 2, "group": 2, "max_completion": 2, "sampler": "torch"}
-    warm_cfg = _cod_config(
-        PRESET,
-        spec | tiny,
-        f"{tmp}/warmup",
-        name_or_path="builtin:tiny-qwen3",
-        hidden_size=64,
-        num_layers=1,
-        num_heads=2,
-        intermediate_size=128,
-        tokenizer="bpe",
-        tokenizer_path=spec["folder"],
-    )
-    warm = Trainer(warm_cfg)
-    env = make_env(warm_cfg.rollout.env, warm_cfg.rollout.env_setting, warm_cfg.rollout.env_size)
-    single_turn_step(warm, env, task_prompts(warm_cfg, warm.tokenizer, 2, start=10**6))
-    warm.close()  # a vLLM engine is shut down, not left running beside the timed one
-    del warm
-
-    def start():
-        cfg = _cod_config(preset, spec, f"{tmp}/run", name_or_path=spec["folder"])
-        trainer = Trainer(cfg)
-        if spec["contender"] == "cod-multiturn":
-            _record_rollouts(trainer)
-            return trainer.policy, lambda n: [_multiturn_step(trainer) for _ in range(n)]
-        p = spec["prompts"]
-        prompts = task_prompts(cfg, trainer.tokenizer, p * steps_of(spec))
-        batches = [prompts[i : i + p] for i in range(0, len(prompts), p)]
-        return trainer.policy, lambda n: [single_turn_step(trainer, env, b) for b in batches[:n]]
-
-    return start
-
-
-# --------------------------------------------------------------------------------------------
-# TRL: GRPOTrainer with its default generation, timed from the outside.
-
-
-# --------------------------------------------------------------------------------------------
 # Worker side: one contender per process.
 
 
@@ -349,10 +195,10 @@ def _worker(spec: dict) -> dict:
     for module in preload:
         importlib.import_module(module)
     with tempfile.TemporaryDirectory(prefix="cod-fast-e2e-") as tmp:
-        start = (trl_worker if contender == "trl" else _cod_worker)(spec, tmp)
+        start = (trl_worker if contender == "trl" else cod_worker)(spec, tmp)
         gc.collect()
-        _reset_peak()
-        base = _rss_mib()
+        reset_rss_peak()
+        base = rss_mib()
         t0 = time.perf_counter()
         model, run = start()
         start_s = time.perf_counter() - t0
@@ -360,7 +206,7 @@ def _worker(spec: dict) -> dict:
         others = OthersCPU()
         steps = run(steps_of(spec))[spec["warmup"] :]
         others_cpu = others.share()
-        peak = _rss_peak_mib() - base
+        peak = rss_peak_mib() - base
     return {
         "status": "ok",
         "sampler": "generate" if contender == "trl" else spec["sampler"],
@@ -379,8 +225,8 @@ def summarize(steps: list[dict]) -> dict:
     for part, prefix in (("step_s", ""), ("sample_s", "sample_"), ("train_s", "train_")):
         times = sorted(s[part] for s in steps)
         out[f"{prefix}median_s" if not prefix else f"{prefix}s"] = statistics.median(times)
-        out[f"{prefix}p20_s"] = _percentile(times, 0.2)
-        out[f"{prefix}p80_s"] = _percentile(times, 0.8)
+        out[f"{prefix}p20_s"] = percentile(times, 0.2)
+        out[f"{prefix}p80_s"] = percentile(times, 0.8)
     out["push_s"] = statistics.median(s["push_s"] for s in steps)
     for key in ("completions", "real_tokens", "train_tokens", "trainable_tokens", "adv_nonzero"):
         out[key] = statistics.mean(s[key] for s in steps)
@@ -497,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from rich.console import Console
 
-    from cod_fast.config_io import load_config
+    from cod_fast.config.io import load_config
 
     cfg = load_config(PRESET)
     args.prompts = args.prompts or cfg.rollout.packs_per_step
@@ -505,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     args.max_completion = args.max_completion or cfg.rollout.max_response_tokens
     progress = Console(stderr=True)
     trl = importlib.util.find_spec("trl") is not None
-    meta = run_meta() | {"vllm": _vllm_version()}
+    meta = run_meta() | {"vllm": vllm_version()}
     meta["trl"] = importlib.metadata.version("trl") if trl else ""
     names = ("sizes", "contenders", "reps", "warmup", "prompts", "group", "max_completion")
     settings = {k: getattr(args, k) for k in names} | {"cod_sampler": args.cod_sampler}
@@ -518,8 +364,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             folder = save_e2e_model(size, Path(tmp, size), load_config(MULTITURN_PRESET))
             rows = run_size(size, folder, args, progress)
             summary["sizes"][size] = rows
-            _append_csv(args.out / "e2e.csv", TABLE, rows, meta)
-            _print_table(_title(size, rows, args, meta["machine"]), TABLE, rows)
+            append_csv(args.out / "e2e.csv", TABLE, rows, meta)
+            print_table(_title(size, rows, args, meta["machine"]), TABLE, rows)
             for r in rows:
                 if r["note"]:
                     print(f"{size} / {r['contender']}: {r['note']}")

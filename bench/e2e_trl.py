@@ -7,6 +7,9 @@ import time
 
 from cod_fast.bench.e2e_workload import PRESET, reward, steps_of, task_prompts
 
+PRELOAD_TRL = ("datasets", "trl", "trl.trainer.grpo_trainer")
+"""What the TRL worker imports before its memory baseline."""
+
 
 def trl_config(spec: dict, cfg, output_dir: str, steps: int):
     from trl import GRPOConfig
@@ -41,12 +44,12 @@ def trl_config(spec: dict, cfg, output_dir: str, steps: int):
 
 
 def trl_worker(spec: dict, tmp: str):
-    """TRL's `start`, as e2e._cod_worker's: run(n) is one GRPOTrainer.train() of n steps."""
+    """TRL's `start`, as e2e_cod.cod_worker's: run(n) is one GRPOTrainer.train() of n steps."""
     from datasets import Dataset
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM, TrainerCallback
     from trl import GRPOTrainer
 
-    from cod_fast.config_io import load_config
+    from cod_fast.config.io import load_config
     from cod_fast.envs import make_env
 
     cfg = load_config(PRESET)

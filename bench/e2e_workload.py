@@ -19,12 +19,12 @@ ACTION_ALPHABET = frozenset("direction 1234")
 
 
 def padded_tokenizer(tokenizer, size: int):
-    """`tokenizer` (a cod_fast.tokenizer `bpe` one) with filler entries `~aa`, `~ab`, ... added
-    to its BPE vocabulary up to `size` ids: no merge produces them, so encoding is unchanged, and
-    each decodes to its own text."""
+    """`tokenizer` (a cod_fast.model.tokenizer `bpe` one) with filler entries `~aa`, `~ab`, ...
+    added to its BPE vocabulary up to `size` ids: no merge produces them, so encoding is
+    unchanged, and each decodes to its own text."""
     from tokenizers import Tokenizer
 
-    from cod_fast.tokenizer import TINY_CHAT, TINY_SPECIALS, _wrap
+    from cod_fast.model.tokenizer import TINY_CHAT, TINY_SPECIALS, _wrap
 
     data = json.loads(tokenizer.backend_tokenizer.to_str())
     vocab = data["model"]["vocab"]
@@ -41,15 +41,16 @@ def padded_tokenizer(tokenizer, size: int):
 
 
 def save_e2e_model(size: str, folder: Path, cfg) -> Path:
-    """The `size` model (cod_fast.bench.e2e's docstring) with its tokenizer, saved as a Hugging Face folder."""
-    from cod_fast.bench import sampler
+    """The `size` model (cod_fast.bench.e2e's docstring) with its tokenizer, saved as a Hugging
+    Face folder."""
+    from cod_fast.bench.sampler_contenders import save_model
 
     if size == "tiny":
-        return sampler.save_model("tiny", folder, cfg)
-    from cod_fast.bench.train import StepShape
+        return save_model("tiny", folder, cfg)
+    from cod_fast.bench.train_workload import StepShape
     from cod_fast.envs import make_env
     from cod_fast.rollout.driver import DriverSettings
-    from cod_fast.warmstart import environment_tokenizer
+    from cod_fast.run.vocab import environment_tokenizer
 
     env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
     settings = DriverSettings.from_config(cfg)
@@ -73,16 +74,16 @@ def task_prompts(cfg, tokenizer, count: int, start: int = 0) -> list[tuple[int, 
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
     from cod_fast.rollout.chat import ChatFormat
-    from cod_fast.rollout.driver import DriverSettings, RolloutDriver, RunState
+    from cod_fast.rollout.driver import DriverSettings, MemberPlay, RolloutDriver
 
     env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
     settings = DriverSettings.from_config(cfg)
     driver = RolloutDriver(env, None, ChatFormat(tokenizer), settings)  # type: ignore[arg-type]
     out = []
     for spec in make_packs(pack_seeds("e2e", count, cfg.train.seed, start=start), 1):
-        run = RunState(spec=spec, member=0)
-        driver._start_solve(run)
-        out.append((spec.pack_seed, run.prompt_ids))
+        play = MemberPlay(spec=spec, member=0)
+        driver._start_solve(play)
+        out.append((spec.pack_seed, play.prompt_ids))
     return out
 
 

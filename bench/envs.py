@@ -67,10 +67,11 @@ def env_steps_per_second(name: str, packs: int, tasks: int, size: str) -> dict:
 
 
 def driver_overhead(packs: int, group: int, tasks: int) -> dict:
+    from cod_fast.config import RolloutConfig
+    from cod_fast.model.tokenizer import char_tokenizer
     from cod_fast.rollout.chat import ChatFormat
     from cod_fast.rollout.driver import DriverSettings, RolloutDriver
     from cod_fast.rollout.sampler import TextPolicySampler
-    from cod_fast.tokenizer import char_tokenizer
 
     chat = ChatFormat(char_tokenizer())
     answer = "Direction 1\n--- Start of updated hints ---\n1=?\n--- End of updated hints ---"
@@ -90,7 +91,7 @@ def driver_overhead(packs: int, group: int, tasks: int) -> dict:
         make_env("frozenlake", "train", "full"),
         sampler,
         chat,
-        DriverSettings(max_response_tokens=256),
+        DriverSettings(rollout=RolloutConfig(max_response_tokens=256, env_timeout_s=None)),
     )
     start = time.perf_counter()
     rollouts = driver.run(make_packs(pack_seeds("bench-driver", packs), tasks), group)

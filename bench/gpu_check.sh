@@ -242,9 +242,9 @@ fi
 # 4. GPU tests, with what time is left (only the files present; pytest comes from .whl/ when the
 # machine lacks it).
 TESTS=()
-for t in tests/test_triton_kernels.py tests/test_chunking.py tests/test_static_decode.py \
-    tests/test_policy_loss.py tests/test_attention.py tests/test_torch_sampler.py \
-    tests/test_fast_decode.py tests/test_host_syncs.py tests/test_lean.py; do
+for t in tests/ops/test_triton_kernels.py tests/ops/test_chunking.py tests/rollout/test_static_decode.py \
+    tests/ops/test_policy_loss.py tests/model/test_attention.py tests/rollout/test_torch_sampler.py \
+    tests/rollout/test_fast_decode.py tests/ops/test_host_syncs.py tests/model/test_lean.py; do
     [ -f "$t" ] && TESTS+=("$t")
 done
 if [ "$IMPORT_RC" -ne 0 ]; then

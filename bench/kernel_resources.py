@@ -87,21 +87,21 @@ def cases() -> list[KernelCase]:
         ),
         KernelCase(
             "rows_forward",
-            "rows:_rows_forward_kernel",
+            "row_kernels:_rows_forward_kernel",
             {"BLOCK_V": rows.GPU_BLOCK_V},
             row_launch,
             targets,
         ),
         KernelCase(
             "rows_backward",
-            "rows:_rows_backward_kernel",
+            "row_kernels:_rows_backward_kernel",
             {**row, "HAS_LOGP_GRAD": True, "HAS_ENTROPY_GRAD": True},
             row_launch,
             targets,
         ),
         KernelCase(
             "rows_backward_bf16dz",
-            "rows:_rows_backward_kernel",
+            "row_kernels:_rows_backward_kernel",
             {**row, **narrow, "HAS_LOGP_GRAD": True, "HAS_ENTROPY_GRAD": True},
             row_launch,
             narrow_types,
@@ -126,7 +126,7 @@ def cases() -> list[KernelCase]:
         out.append(
             KernelCase(
                 f"rows_fused_{policy}_kl{kl or 'off'}",
-                "rows:_rows_fused_kernel",
+                "row_kernels:_rows_fused_kernel",
                 {**switches, **row},
                 row_launch,
                 targets,
@@ -229,7 +229,7 @@ def _ptxas_report(ptx: str, ptxas: str, arch: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from cod_fast.bench.kernels import emit_summary
+    from cod_fast.bench.harness import emit_summary
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")

@@ -31,23 +31,34 @@ JSON object with every result.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import functools
 import importlib.util
 import json
-import math
 import os
-import platform
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from cod_fast.bench.contenders import CASES, CONTENDERS, SEED, Inputs, make_inputs, make_step
+from cod_fast.bench.harness import LIVE_MALLOC as LIVE_MALLOC  # for the tests
+from cod_fast.bench.harness import (
+    append_csv_rows,
+    comma_choices,
+    emit_summary,
+    fmt,
+    git_commit,
+    machine,
+    measure_ceiling,
+    percentile,
+    reset_rss_peak,
+    rss_mib,
+    rss_peak_mib,
+    run_json_worker,
+    timed,
+    with_live_peak,
+)
 
 DEFAULT_CASES = (
     "dense",
@@ -85,98 +96,10 @@ CSV_COLUMNS = (
     "work_vs_eager",
     "note",
 )
+
+
 # --------------------------------------------------------------------------------------------
 # Worker side: one (case, contender) per process.
-
-# glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in its heap, so the
-# peak resident set also counts memory the step had already freed. With a fixed 64 KiB threshold
-# every tensor of 64 KiB or more is a mapping of its own, unmapped when freed: the peak resident
-# set is then the peak of memory in use, what torch.cuda.max_memory_allocated is on a GPU.
-LIVE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
-
-
-def _proc_status_mib(field: str) -> float | None:
-    """A `kB` field of /proc/self/status in MiB (None where there is no such file)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 2**10 for line in f if line.startswith(field))
-    except (OSError, StopIteration):
-        return None
-
-
-def _ru_maxrss_mib() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-def _rss_mib() -> float:
-    """Resident set of this process now (Linux: VmRSS; elsewhere the peak, ru_maxrss)."""
-    return _proc_status_mib("VmRSS:") or _ru_maxrss_mib()
-
-
-def _rss_peak_mib() -> float:
-    """Peak resident set of this process (Linux: VmHWM). Not ru_maxrss where VmHWM exists: a
-    child's ru_maxrss starts at its parent's resident set at the fork, so a worker's baseline
-    taken from it can exceed what the worker holds."""
-    return _proc_status_mib("VmHWM:") or _ru_maxrss_mib()
-
-
-def _reset_rss_peak() -> None:
-    """Start this process's peak resident set (VmHWM) over from its resident set now (Linux)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (q in [0, 1]) of an ascending list."""
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def _timed(fn, reps: int, warmup: int, cuda: bool) -> list[float]:
-    """Wall seconds of `fn` per repetition, after `warmup` untimed calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def measure_ceiling() -> dict:
-    """Dense-GEMM ceiling of this machine now: fp32 GFLOP/s on the CPU, bf16 on a GPU."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        m = k = n = 8192
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        reps, warmup, kind = 10, 3, "bf16 matmul 8192^3"
-    else:
-        # Square-ish and as large as the benchmark's own GEMMs, so the BLAS runs at its best.
-        m, k, n = 2048, 1024, 4096
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        reps, warmup, kind = 5, 1, "fp32 matmul 2048x1024x4096"
-    times = _timed(lambda: a @ b, reps, warmup, cuda)
-    return {"kind": kind, "gflops": 2 * m * k * n / statistics.median(times) / 1e9}
 
 
 def _measure(step, spec: dict, layout: str, device, dtype) -> dict:
@@ -204,16 +127,16 @@ def _measure(step, spec: dict, layout: str, device, dtype) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        base = _rss_mib()
+        base = rss_mib()
     case = CASES[spec["case"]]
     x = make_inputs(case, spec["scale"], layout, device, dtype)
     if not cuda:
-        _reset_rss_peak()  # what building the inputs held transiently is not the loss's
+        reset_rss_peak()  # what building the inputs held transiently is not the loss's
     losses = []
     times = sorted(
-        _timed(lambda: losses.append(run(x).detach()), spec["reps"], spec["warmup"], cuda)
+        timed(lambda: losses.append(run(x).detach()), spec["reps"], spec["warmup"], cuda)
     )
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()) - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_peak_mib()) - base
     return {
         "static_mib": static_mib(x),
         "status": "ok",
@@ -224,8 +147,8 @@ def _measure(step, spec: dict, layout: str, device, dtype) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "times_s": times,
         "median_s": statistics.median(times),
-        "p20_s": _percentile(times, 0.2),
-        "p80_s": _percentile(times, 0.8),
+        "p20_s": percentile(times, 0.2),
+        "p80_s": percentile(times, 0.8),
         "peak_mib": peak,
         "loss": float(losses[-1]),
     }
@@ -265,107 +188,12 @@ def _worker_main(spec: dict) -> None:
 # Driver side: one subprocess per (case, contender), then the table, CSV and JSON.
 
 
-def run_json_worker(cmd: list[str], timeout: float, log: Path, env: dict | None = None) -> dict:
-    """Run a worker process whose last stdout line is a JSON result; a failure keeps the
-    command and its output in `log` and returns a `failed: ...` status naming it."""
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"status": f"failed: timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if proc.returncode == 0 and lines:
-        try:
-            return json.loads(lines[-1])
-        except json.JSONDecodeError:
-            pass
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
-    err = [line for line in proc.stderr.splitlines() if line.strip()]
-    why = err[-1].strip()[:300] if err else f"exit code {proc.returncode}"
-    return {"status": f"failed: {why} (log: {log})"}
-
-
-def comma_choices(parser, flag: str, text: str, allowed) -> list[str]:
-    """The comma-separated items of a command-line `text`; an item not in `allowed` is a usage
-    error naming the flag and the choices."""
-    items = text.split(",")
-    if bad := [item for item in items if item not in allowed]:
-        parser.error(f"--{flag}: unknown {bad}; choose from {', '.join(allowed)}")
-    return items
-
-
-def emit_summary(summary: dict, path: Path) -> dict:
-    """Write a benchmark's summary to `path` and print it as the last stdout line (JSON)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary), flush=True)
-    return summary
-
-
 def _run_worker(spec: dict, timeout: float, log_dir: Path, env_extra: dict | None = None) -> dict:
     """Run one worker; a failure keeps its output in log_dir/<case>__<contender>[__live].log."""
     cmd = [sys.executable, "-m", "cod_fast.bench.kernels", "--worker", json.dumps(spec)]
     live = "__live" if env_extra else ""
     log = log_dir / f"{spec['case']}__{spec['contender']}{live}.log"
     return run_json_worker(cmd, timeout, log, dict(os.environ) | (env_extra or {}))
-
-
-def with_live_peak(run_worker, spec: dict, on_cpu: bool) -> dict:
-    """The timed worker's result (`run_worker(spec, env_extra=...)`) and its `live_peak_mib`: on the
-    CPU the peak of a one-call worker under LIVE_MALLOC (its own process: a mapping per block
-    costs page faults that must not be timed), on a GPU the timed worker's own peak (already
-    max_memory_allocated)."""
-    result = run_worker(spec)
-    if result["status"] != "ok":
-        return result
-    if not on_cpu:
-        return result | {"live_peak_mib": result["peak_mib"]}
-    live = run_worker(spec | {"reps": 1, "warmup": 0}, env_extra=LIVE_MALLOC)
-    if live["status"] != "ok":
-        return {"status": f"live peak {live['status']}"}
-    return result | {"live_peak_mib": live["peak_mib"]}
-
-
-def _git_commit() -> str:
-    """HEAD's short hash, with `-dirty` when tracked files differ from it (the numbers then
-    belong to uncommitted code)."""
-    if os.environ.get("COD_FAST_GIT_COMMIT"):  # set by gpu_check.sh where the copy has no .git
-        return os.environ["COD_FAST_GIT_COMMIT"]
-
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(
-                ["git", *args],
-                cwd=Path(__file__).resolve().parent,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:
-        return "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
-def _machine() -> str:
-    import torch
-
-    cpu = platform.processor()
-    if not cpu or cpu == platform.machine():
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpu = next(
-                    (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                    cpu,
-                )
-        except OSError:
-            pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu or platform.machine()} / {os.cpu_count()} cpus / {gpu}"
 
 
 def _contenders(asked: list[str], cuda: bool) -> list[tuple[str, str | None]]:
@@ -419,30 +247,8 @@ def _derive(row: dict, eager: dict | None) -> None:
     row["work_vs_eager"] = row["work_mib"] / eager_work if eager_work and eager_work > 0 else None
 
 
-def append_csv_rows(path: Path, columns, rows: list[dict]) -> None:
-    """Append `rows` (dicts; missing keys blank) under `columns`; a file written before a column
-    was added is rewritten with the new header, its old rows blank in the new columns."""
-    old, header = [], None
-    if path.exists():
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            old, header = list(reader), reader.fieldnames
-    path.parent.mkdir(parents=True, exist_ok=True)
-    columns = list(columns)
-    with path.open("a" if header == columns else "w", newline="") as f:
-        writer = csv.DictWriter(f, columns, extrasaction="ignore")
-        if header != columns:
-            writer.writeheader()
-            writer.writerows(old)
-        writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
-
-
 def _append_csv(path: Path, row: dict, meta: dict) -> None:
     append_csv_rows(path, CSV_COLUMNS, [{**meta, **row, "note": row["status"]}])
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _print_table(summary: dict, cuda: bool) -> None:
@@ -469,8 +275,8 @@ def _print_table(summary: dict, cuda: bool) -> None:
             cells += [f"{r['gflops'] / div:.1f}"]
             cells += [f"{r['ceiling_gflops'] / div:.1f}", f"{100 * r['frac_ceiling']:.0f}"]
             cells += [f"{100 * r['frac_ceiling_8nhv']:.0f}"] if cuda else []
-            cells += [_fmt(r["speedup_vs_eager"], ".2f"), _fmt(r["mem_vs_eager"], ".2f")]
-            cells += [_fmt(r["work_vs_eager"], ".3f")]
+            cells += [fmt(r["speedup_vs_eager"], ".2f"), fmt(r["mem_vs_eager"], ".2f")]
+            cells += [fmt(r["work_vs_eager"], ".3f")]
             cells += [f"{r['loss']:.6g}", ""]
         else:
             cells += ["-"] * (len(headers) - 3) + [r["status"]]
@@ -526,8 +332,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     csv_path = out / "kernels.csv"
     meta = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
-        "machine": _machine(),
+        "commit": git_commit(),
+        "machine": machine(),
         "torch": torch.__version__,
     }
     summary: dict[str, Any] = {

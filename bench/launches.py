@@ -57,18 +57,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cod_fast.bench.dispatch_count import DispatchCounter
-from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.train import (
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, resolve_device, run_meta
+from cod_fast.bench.train_workload import (
     CONTENDERS,
     LOSS,
     SEED,
     TINY,
-    _append_csv,
-    _print_table,
     build_model,
     make_step,
-    resolve_device,
-    run_meta,
     set_rollout_logp,
     step_batch,
 )
@@ -160,7 +156,7 @@ def _loss_counts(policy, mb, denominator: float) -> dict:
     try:
         for call in range(2):  # a warm-up call, then the counted one
             try:
-                policy(mb, config=LOSS, denominator=denominator).loss.backward()
+                policy(mb, loss_config=LOSS, denominator=denominator).loss.backward()
             finally:
                 if len(counters) > call:  # the hook ran: its counter is the innermost mode
                     counters[call].__exit__(None, None, None)
@@ -172,8 +168,8 @@ def _loss_counts(policy, mb, denominator: float) -> dict:
 
 def measure_step(shape, device, dtype) -> list[dict]:
     """The train_step rows (both contenders) and the fused loss's row."""
-    from cod_fast.policy import Policy
-    from cod_fast.train_step import runnable
+    from cod_fast.model.policy import Policy
+    from cod_fast.train.step import runnable
 
     mbs, denominator, stats = step_batch(shape)
     batch = {"tokens": stats["tokens"], "micro_batches": stats["micro_batches"]}
@@ -199,8 +195,8 @@ def measure_decode(shape, device, dtype, prompts: int) -> list[dict]:
     `prompts` prompts of different lengths (a seeded model, so the counts repeat)."""
     import random
 
+    from cod_fast.model.tokenizer import CHATML, char_tokenizer
     from cod_fast.rollout.torch_sampler import TorchSampler
-    from cod_fast.tokenizer import CHATML, char_tokenizer
 
     tokenizer = char_tokenizer(CHATML)
     eos = tokenizer.eos_token_id
@@ -297,8 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
     meta = run_meta()
     rows = measure(shape, args.device, args.prompts)
     missed = check(rows)
-    _append_csv(args.out / "launches.csv", TABLE, rows, meta)
-    _print_table(
+    append_csv(args.out / "launches.csv", TABLE, rows, meta)
+    print_table(
         f"dispatched aten ops, host syncs and host-to-device copies per step on "
         f"{meta['machine']} ({shape.describe()}); counted after one warm-up call",
         TABLE,

@@ -33,17 +33,13 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.train import (
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, resolve_device, run_meta
+from cod_fast.bench.train_workload import (
     CONTENDERS,
     TINY,
     StepShape,
-    _append_csv,
-    _print_table,
     build_model,
     make_step,
-    resolve_device,
-    run_meta,
     set_rollout_logp,
     step_batch,
 )
@@ -195,8 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape = replace(shape, **({"tokens": args.tokens} if args.tokens else {}))
     meta = run_meta()
     rows = measure(shape, args.device, args.steps, args.out)
-    _append_csv(args.out / "profile.csv", TABLE, rows, meta)
-    _print_table(f"profiled train step on {meta['machine']} ({shape.describe()})", TABLE, rows)
+    append_csv(args.out / "profile.csv", TABLE, rows, meta)
+    print_table(f"profiled train step on {meta['machine']} ({shape.describe()})", TABLE, rows)
     settings = {"device": args.device, "steps": args.steps, "shape": asdict(shape)}
     return emit_summary({**meta, "settings": settings, "rows": rows}, args.out / "profile.json")
 

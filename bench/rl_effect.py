@@ -36,8 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
-from cod_fast.bench.train import _append_csv, _print_table, run_meta
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, run_meta
 
 ARMS = ("cod", "task_by_task")
 PRESET = "tiny-cpu"
@@ -205,7 +204,7 @@ def _diagnostics(rows: list[dict]) -> dict[str, float]:
 
 
 def _plot(results: dict, path: Path) -> None:
-    from cod_fast.metrics import PositionSummary, plot_positions
+    from cod_fast.data.metrics import PositionSummary, plot_positions
 
     curves = {}
     first = next(iter(results["arms"].values()))
@@ -279,9 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
             "positions": "(paired per seed)",
         }
     )
-    _print_table("RL effect (gain = last position - first, mean +- std over seeds)", TABLE, rows)
+    print_table("RL effect (gain = last position - first, mean +- std over seeds)", TABLE, rows)
     meta = run_meta()
-    _append_csv(out / "rl_effect.csv", TABLE, rows, meta)
+    append_csv(out / "rl_effect.csv", TABLE, rows, meta)
     settings = {
         "warm_steps": args.warm_steps,
         "rl_steps": args.rl_steps,

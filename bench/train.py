@@ -5,7 +5,8 @@
 
 1. `step`: one optimizer step of a Qwen3-architecture model (random weights, no download) over
    a packed CoD-shaped batch: multi-turn solve episodes prefix-merged into one sequence each and
-   long-prompt update episodes, in 2-4 micro-batches. Two contenders, each in its own process:
+   long-prompt update episodes, in 2-4 micro-batches (model, batch and both steps:
+   cod_fast.bench.train_workload). Two contenders, each in its own process:
    - `fused`: what the trainer runs, `train_step` over `Policy`: the decoder without its LM
      head, then the fused loss on the trainable hidden rows and the LM head weight (the C++
      kernels on the CPU when built).
@@ -15,7 +16,7 @@
      check against the float64 oracle), so the contenders differ only in where the log-probs
      come from. Not `ops.eager.eager_policy_loss`: that oracle loops over segments (and for REC
      over tokens) in Python, and timing it would time the interpreter.
-   Same packed attention (cod_fast.attention), batch, initial weights, global denominator, clip
+   Same packed attention (cod_fast.model.attention), batch, initial weights, global denominator, clip
    and AdamW: the first step's loss and gradient norm must agree, which checks the benchmark.
    Peak memory is the growth over a baseline taken before the model and the batch exist (after
    one tiny step that puts imports and thread pools behind it), so for both contenders it holds
@@ -27,7 +28,7 @@
    the GPU. The memory target is on the live peak.
    The rate is the step's useful work (6 x decoder weights x T, causal attention per sequence,
    the LM head on the trainable rows only) per median second, against the GEMM ceiling measured
-   in the same worker (kernels.measure_ceiling: fp32 on the CPU, bf16 on a GPU).
+   in the same worker (harness.measure_ceiling: fp32 on the CPU, bf16 on a GPU).
 2. `merge`: trainer tokens per CoD rollout with prefix merging (one sequence per multi-turn
    episode) vs one sequence per turn, for the scripted explorer run through the real rollout
    driver on every environment; also sum(len^2) over sequences, the attention cost.
@@ -39,47 +40,53 @@ as the last line on stdout one JSON object with everything.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
-import importlib.metadata
 import json
 import math
 import os
-import random
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from cod_fast.bench.kernels import (
-    _fmt,
-    _git_commit,
-    _machine,
-    _percentile,
-    _rss_mib,
-    _rss_peak_mib,
-    _timed,
-    append_csv_rows,
+from cod_fast.bench.harness import (
+    OthersCPU,
+    append_csv,
     emit_summary,
+    fmt,
     measure_ceiling,
+    percentile,
+    print_table,
+    resolve_device,
+    rss_mib,
+    rss_peak_mib,
     run_json_worker,
+    run_meta,
+    timed,
     with_live_peak,
 )
-from cod_fast.config import LossConfig
+from cod_fast.bench.train_workload import (
+    CONTENDERS,
+    GRAD_CLIP,
+    LOSS,
+    LR,
+    TINY,
+    K,
+    StepShape,
+    build_model,
+    make_step,
+    set_rollout_logp,
+    step_batch,
+)
 from cod_fast.envs import ENVIRONMENTS
 
-CONTENDERS = ("fused", "logits+eager")
-LOSS = LossConfig(policy="rec_one_side", eps_high=0.28)  # the CoD runs' loss
-GRAD_CLIP, LR, SEED, K = 1.0, 1e-5, 1234, 4  # K: tasks per pack, in both sections
 TARGETS = {"speed": 1.5, "memory": 3.0}  # the issue's CPU targets, fused vs logits+eager
 AGREE_RTOL = {"float32": 1e-4, "bfloat16": 3e-2}  # bf16: HF rounds the logits to bf16
 # Every registered environment at its full (specified) size, and FrozenLake's tiny size (the CPU
 # presets').
 MERGE_ENVS = (*((name, "full") for name in ENVIRONMENTS), ("frozenlake", "tiny"))
-META = ("timestamp", "commit", "machine", "torch", "transformers")
 # Columns of the CSVs, and of the tables where they have a header: (key, header, format).
 # fmt: off
 STEP_TABLE = (
@@ -110,208 +117,8 @@ MERGE_TABLE = (
 # fmt: on
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """The model and the batch of the step benchmark."""
-
-    layers: int = 4
-    hidden: int = 512
-    heads: int = 8
-    kv_heads: int = 4  # GQA, as in every Qwen3 model
-    head_dim: int = 64
-    intermediate: int = 1536
-    vocab: int = 32768
-    tokens: int = 16384
-    """Packed tokens of the step; episode lengths shrink with it below 16384."""
-    micro_batches: int = 3
-
-    def describe(self) -> str:
-        return (
-            f"Qwen3 {self.layers}L H{self.hidden} {self.heads}q/{self.kv_heads}kv heads "
-            f"d{self.head_dim} I{self.intermediate} V{self.vocab} tied"
-        )
-
-    def seeded_model(self, **config):
-        """Qwen3ForCausalLM of this shape with weights from SEED (the global RNG is left as it
-        was); `config` adds Qwen3Config fields (end and padding tokens)."""
-        import torch
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        config = Qwen3Config(
-            vocab_size=self.vocab,
-            hidden_size=self.hidden,
-            intermediate_size=self.intermediate,
-            num_hidden_layers=self.layers,
-            num_attention_heads=self.heads,
-            num_key_value_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            max_position_embeddings=8192,
-            tie_word_embeddings=True,
-            **config,
-        )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(SEED)
-            return Qwen3ForCausalLM(config)
-
-
-TINY = StepShape(  # the smoke test's: seconds, not a measurement
-    layers=1, hidden=64, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=512, tokens=512
-)
-
-
 # --------------------------------------------------------------------------------------------
-# The step: batch, model, and the two contenders.
-
-
-def cod_episodes(shape: StepShape, seed: int = SEED) -> list:
-    """CoD rollouts of random token ids, episodes added while they fit in `shape.tokens`: per
-    pack, K solve episodes (a prompt, four short responses, an observation after each) and
-    between them K-1 update episodes (a long prompt holding the transcript, one response)."""
-    from cod_fast.records import Episode, Turn
-
-    rng = random.Random(seed)
-    scale = min(1.0, shape.tokens / 16384)
-    order = [(kind, k) for k in range(K) for kind in ("solve", "update")][:-1]
-
-    def ids(mean: int) -> list[int]:
-        n = max(1, round(mean * scale * rng.uniform(0.8, 1.2)))
-        return [rng.randrange(shape.vocab) for _ in range(n)]
-
-    def episode(pack: int, kind: str, k: int) -> Episode:
-        solve = kind == "solve"
-        prompt, turns = ids(250 if solve else 1200), []
-        for _ in range(4 if solve else 1):
-            response = ids(100 if solve else 200)
-            logp = [0.0] * len(response)  # set from the model by set_rollout_logp
-            turns.append(Turn(prompt_ids=prompt, response_ids=response, response_logprobs=logp))
-            prompt = prompt + response + ids(50)  # turns only append: one merged sequence
-        advantage = rng.gauss(0, 1)
-        return Episode(
-            pack_id=pack,
-            member=0,
-            kind=kind,
-            task_index=k,
-            turns=turns,
-            reward=0.0,
-            advantage=advantage,
-        )
-
-    episodes, total, pack = [], 0, 0
-    while True:
-        for kind, k in order:
-            ep = episode(pack, kind, k)
-            total += len(ep.turns[-1].prompt_ids) + len(ep.turns[-1].response_ids)
-            if total > shape.tokens:
-                return episodes
-            episodes.append(ep)
-        pack += 1
-
-
-def step_batch(shape: StepShape):
-    """(micro-batches, denominator, stats) of the step, packed as the trainer packs."""
-    from cod_fast.ops import aggregation_denominator
-    from cod_fast.packing import pack_microbatches, rollout_sequences, step_totals
-
-    seqs = rollout_sequences(cod_episodes(shape))
-    lengths = [len(s) for s in seqs]
-    budget = max(math.ceil(1.15 * sum(lengths) / shape.micro_batches), max(lengths))
-    (mbs,) = pack_microbatches(seqs, budget, 1)
-    trainable, segments = step_totals([mbs])
-    stats = {"tokens": sum(lengths), "trainable": trainable, "sequences": len(seqs)}
-    stats |= {"segments": segments, "micro_batches": len(mbs)}
-    stats["attn_pairs"] = sum(n * n for n in lengths)
-    return mbs, aggregation_denominator(LOSS, trainable, segments), stats
-
-
-def build_model(shape: StepShape, device, dtype, grad_ckpt: bool = False, lean: bool = True):
-    """A seeded Qwen3ForCausalLM from a config, prepared for training as the trainer prepares
-    it: packed attention for `device`, the memory-lean MLPs and norms when `lean` (the
-    trainer's default), gradient checkpointing per decoder layer when `grad_ckpt`."""
-    import torch
-
-    from cod_fast.config import ModelConfig
-    from cod_fast.model import prepare_model
-
-    model = shape.seeded_model()
-    cfg = ModelConfig(gradient_checkpointing=grad_ckpt, lean_activations=lean)
-    prepare_model(model, cfg, torch.device(device))
-    return model.to(device=device, dtype=dtype)
-
-
-def set_rollout_logp(model, mbs, device) -> None:
-    """Sampler log-probs near the initial policy's (0.1 nats of noise), as the trainer's
-    recompute would see them: the REC mask drops a few tokens and keeps the rest."""
-    import torch
-
-    from cod_fast.policy import Policy
-
-    g, policy = torch.Generator().manual_seed(SEED), Policy(model)
-    with torch.no_grad():
-        for mb in mbs:
-            logp = policy(mb.to(device), config=LOSS, mode="logprobs").float().cpu()
-            mb.rollout_logp = logp + 0.1 * torch.randn(logp.shape, generator=g)
-
-
-def logits_eager_step(model, optimizer, microbatches, *, denominator, config, grad_clip):
-    """`train_step` the plain way: full logits, log_softmax, gather, the loss on log-probs."""
-    import torch
-
-    from cod_fast.attention import packed_attention_kwargs
-    from cod_fast.ops import LossInputs, policy_loss_from_logp
-
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    device = next(model.parameters()).device
-    total = 0.0
-    for mb in microbatches:
-        mb = mb.to(device)
-        out = model(
-            input_ids=mb.input_ids[None],
-            position_ids=mb.position_ids[None],
-            use_cache=False,
-            **packed_attention_kwargs(mb.cu_seqlens, mb.max_seqlen),
-        )
-        # A float32 log_softmax, as RL libraries do for bf16 models; `del` so that no name
-        # keeps a [T, V] tensor alive through the backward beyond what autograd saves.
-        log_probs = torch.log_softmax(out.logits[0].float() / config.temperature, dim=-1)
-        del out
-        inputs = LossInputs(
-            mb.advantages,
-            mb.segment_ids,
-            old_logp=mb.old_logp,
-            rollout_logp=mb.rollout_logp,
-            denominator=denominator,
-        )
-        loss, _ = policy_loss_from_logp(
-            log_probs[mb.trainable_idx, mb.targets], inputs, config=config
-        )
-        del log_probs
-        loss.backward()
-        total += float(loss.detach())
-    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
-    optimizer.step()
-    return total, norm
-
-
-def make_step(contender: str, model, mbs, denominator: float, impl: str | None = None):
-    """(step, optimizer): step() runs one optimizer step and returns (loss, grad norm); `impl`
-    is the fused loss's implementation (None: the device's default)."""
-    import torch
-
-    from cod_fast.policy import Policy
-    from cod_fast.train_step import train_step
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    kwargs = dict(denominator=denominator, config=LOSS, grad_clip=GRAD_CLIP)
-    if contender == "fused":
-        policy = Policy(model, impl=impl)
-
-        def step():
-            result = train_step(policy, optimizer, mbs, **kwargs)
-            return result.loss, result.grad_norm
-
-        return step, optimizer
-    return (lambda: logits_eager_step(model, optimizer, mbs, **kwargs)), optimizer
+# The step: one contender per worker process, then the ratios.
 
 
 def _useful_flops(model, shape: StepShape, stats: dict) -> float:
@@ -324,33 +131,6 @@ def _useful_flops(model, shape: StepShape, stats: dict) -> float:
     attention = shape.layers * shape.heads * shape.head_dim * stats["attn_pairs"]
     head = stats["trainable"] * shape.hidden * shape.vocab
     return 6 * (decoder * stats["tokens"] + attention + head)
-
-
-def _busy_cpu_s() -> float | None:
-    """CPU seconds every process on this machine has used (Linux /proc/stat; else None)."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = f.readline().split()[1:9]
-    except (OSError, ValueError):
-        return None
-    ticks = sum(int(x) for x in (user, nice, system, irq, softirq, steal))
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-class OthersCPU:
-    """The share of all cores that other processes (hypervisor steal included) took from its
-    creation to `share()`: a benchmark's numbers mean little unless it is small."""
-
-    def __init__(self):
-        self.busy, self.own = _busy_cpu_s(), sum(os.times()[:2])
-        self.wall = time.perf_counter()
-
-    def share(self) -> float | None:
-        if self.busy is None:
-            return None
-        others = _busy_cpu_s() - self.busy - (sum(os.times()[:2]) - self.own)
-        capacity = (time.perf_counter() - self.wall) * (os.cpu_count() or 1)
-        return min(1.0, max(0.0, others) / capacity)  # clock ticks: +-10 ms each
 
 
 def _setup(contender: str, shape: StepShape, device, dtype, **modules):
@@ -381,7 +161,7 @@ def _step_worker(spec: dict) -> dict:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() / 2**20 if cuda else _rss_mib()
+    base = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mib()
     model, optimizer, step, stats = _setup(
         spec["contender"], shape, device, dtype, **spec["modules"]
     )
@@ -389,9 +169,9 @@ def _step_worker(spec: dict) -> dict:
     # What the machine's other processes took while we were timed: this benchmark's numbers
     # only mean something when that share is small.
     others = OthersCPU()
-    times = sorted(_timed(lambda: results.append(step()), spec["reps"], spec["warmup"], cuda))
+    times = sorted(timed(lambda: results.append(step()), spec["reps"], spec["warmup"], cuda))
     others_cpu = others.share()
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _rss_peak_mib()) - base
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_peak_mib()) - base
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values())
     median, flops = statistics.median(times), _useful_flops(model, shape, stats)
@@ -407,8 +187,8 @@ def _step_worker(spec: dict) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "times_s": times,
         "median_s": median,
-        "p20_s": _percentile(times, 0.2),
-        "p80_s": _percentile(times, 0.8),
+        "p20_s": percentile(times, 0.2),
+        "p80_s": percentile(times, 0.8),
         "peak_mib": peak,
         "static_mib": (2 * weights + state) / 2**20,  # weights, their gradients, AdamW state
         "tokens_per_s": stats["tokens"] / median,
@@ -495,15 +275,17 @@ def run_step(shape: StepShape, args, progress) -> dict:
 
 def run_merge(packs: int) -> list[dict]:
     """Trainer tokens of the scripted explorer's rollouts, merged vs one sequence per turn."""
+    from cod_fast.config import RolloutConfig
+    from cod_fast.data.packing import rollout_sequences
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
-    from cod_fast.packing import rollout_sequences
+    from cod_fast.model.tokenizer import CHATML, char_tokenizer
     from cod_fast.rollout.chat import ChatFormat
     from cod_fast.rollout.driver import DriverSettings
-    from cod_fast.tokenizer import CHATML, char_tokenizer
-    from cod_fast.warmstart import demonstrations
+    from cod_fast.rollout.scripted import demonstrations
 
-    chat, settings = ChatFormat(char_tokenizer(CHATML)), DriverSettings(prompt_style="full")
+    chat = ChatFormat(char_tokenizer(CHATML))
+    settings = DriverSettings(rollout=RolloutConfig(prompt_style="full", env_timeout_s=None))
     specs = make_packs(pack_seeds("bench", packs), K)
     rows = []
     for name, size in MERGE_ENVS:
@@ -529,55 +311,9 @@ def run_merge(packs: int) -> list[dict]:
 # Output and the command line.
 
 
-def resolve_device(choice: str, parser) -> str:
-    """A benchmark's --device: `auto` is cuda when there is one; cuda without one is a usage
-    error of `parser`."""
-    import torch
-
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
-    return choice
-
-
-def run_meta() -> dict[str, str]:
-    """The META columns of a benchmark run: when, which commit, which machine and versions."""
-    import torch
-
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {
-        "timestamp": now,
-        "commit": _git_commit(),
-        "machine": _machine(),
-        "torch": torch.__version__,
-        "transformers": importlib.metadata.version("transformers"),
-    }
-
-
-def _append_csv(path: Path, table, rows: list[dict], meta: dict) -> None:
-    """Append `rows` under META and the table's columns (see kernels.append_csv_rows)."""
-    columns = [*META, *(c for c, _, _ in table)]
-    append_csv_rows(path, columns, [{**meta, **row} for row in rows])
-
-
-def _print_table(title: str, table, rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    shown = [(key, header, spec) for key, header, spec in table if header]
-    out = Table(title=title)
-    for _, header, spec in shown:
-        out.add_column(header, justify="right" if spec else "left")
-    for row in rows:
-        out.add_row(*(Text(_fmt(row.get(key), spec)) for key, _, spec in shown))
-    Console(width=max(240, Console().width)).print(out)
-
-
 def _print_step(section: dict, machine: str) -> None:
     b = section["batch"]
-    _print_table(
+    print_table(
         f"one training step on {machine}: {section['model']}; {b['tokens']} tokens, "
         f"{b['trainable']} trainable, {b['sequences']} sequences, {b['segments']} segments, "
         f"{b['micro_batches']} micro-batches; peak MiB = growth over a baseline taken before "
@@ -590,11 +326,11 @@ def _print_step(section: dict, machine: str) -> None:
         print(
             f"losses and grad norms agree (rtol {section['agree_rtol']:g}): "
             f"{section['losses_agree']}; live memory ratio without the static MiB: "
-            f"{_fmt(section['mem_ratio_without_static'], '.2f')}"
+            f"{fmt(section['mem_ratio_without_static'], '.2f')}"
         )
         for name, t in section["targets"].items():
             verdict = "met" if t["met"] else "NOT met"
-            measured = _fmt(t["measured"], ".2f")
+            measured = fmt(t["measured"], ".2f")
             print(f"target fused >= {t['target']}x on {name}: {verdict} (measured {measured})")
 
 
@@ -618,7 +354,7 @@ def _parse_args(argv):
     p.add_argument(
         "--plain-modules",
         action="store_true",
-        help="transformers' own MLPs and norms instead of cod_fast.lean's (both sides)",
+        help="transformers' own MLPs and norms instead of cod_fast.model.lean's (both sides)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per worker process")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -652,15 +388,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     summary: dict = {**meta, "settings": settings}
     if "step" in args.sections:
         summary["step"] = run_step(shape, args, progress)
-        _append_csv(args.out / "train_step.csv", STEP_TABLE, summary["step"]["rows"], meta)
+        append_csv(args.out / "train_step.csv", STEP_TABLE, summary["step"]["rows"], meta)
         _print_step(summary["step"], meta["machine"])
     if "merge" in args.sections:
         with progress.status("prefix merging"):
             summary["merge"] = run_merge(args.packs)
-        _append_csv(args.out / "prefix_merge.csv", MERGE_TABLE, summary["merge"], meta)
+        append_csv(args.out / "prefix_merge.csv", MERGE_TABLE, summary["merge"], meta)
         title = "trainer tokens per CoD rollout, prefix merging vs one sequence per turn"
         title += f" ({args.packs} packs, K={K}, scripted explorer, char tokenizer)"
-        _print_table(title, MERGE_TABLE, summary["merge"])
+        print_table(title, MERGE_TABLE, summary["merge"])
     return emit_summary(summary, args.out / "train.json")
 
 

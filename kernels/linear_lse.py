@@ -6,9 +6,9 @@ temperature divides the logits; statistics in float32 whatever the operand dtype
 logits exist one [BLOCK_N, BLOCK_V] register tile at a time: each program owns a block of tokens
 and one split of the vocabulary, forms every logit tile of its split with tl.dot (float32
 accumulation over H in BLOCK_K steps) and folds it into running per-token statistics, the same
-online triple as kernels/rows.py: max m, s = sum e^(x-m), u = sum e^(x-m) (x-m), giving
-lse = m + log s and H = log s - u / s. Splits write their partial (m, s, u); a small combine
-kernel merges them with the same rescaling. The program that holds a token's target tile
+online triple as kernels/row_kernels.py: max m, s = sum e^(x-m), u = sum e^(x-m) (x-m),
+giving lse = m + log s and H = log s - u / s. Splits write their partial (m, s, u); a small
+combine kernel merges them with the same rescaling. The program that holds a token's target tile
 records the target logit.
 
 Memory traffic: the LM head (V x H, often larger than L2) dominates. Programs are ordered in
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cod_fast.kernels.rows import AUTOTUNE
+from cod_fast.kernels.row_kernels import AUTOTUNE
 
 # Default GPU tiles (H100/H200), bf16/fp16 operands: wgmma on a 128 x 128 float32 accumulator
 # (64 registers a thread at 8 warps for the accumulator alone), BLOCK_K = 64. Compiled for sm_90

@@ -1,7 +1,7 @@
-"""The rank processes of tests/test_distributed.py, and the batches both sides train on.
+"""The rank processes of tests/dist/test_distributed.py, and the batches both sides train on.
 
 `run` is one rank of a 2-process gloo job (started by torch.multiprocessing): it shards the tiny
-Qwen3 with cod_fast.distributed, trains the steps of `STEPS`, round-trips the full model and
+Qwen3 with cod_fast.dist.fsdp, trains the steps of `STEPS`, round-trips the full model and
 optimizer states, and torch.saves what it saw to `out/rank{r}.pt`. The test runs the same steps
 in one process and compares. No test functions here.
 """
@@ -16,25 +16,21 @@ import torch
 
 from cod_fast import LossConfig
 from cod_fast.config import ModelConfig
-from cod_fast.distributed import (
+from cod_fast.data.packing import pack_microbatches, rollout_sequences, step_totals
+from cod_fast.dist.context import (
     all_reduce_max,
     broadcast_object,
-    full_parameters,
     gather_objects,
     init_distributed,
-    load_model_state,
-    load_optimizer_state,
-    model_state,
-    optimizer_state,
-    shard_policy,
     shutdown,
 )
-from cod_fast.model import load_policy
+from cod_fast.dist.fsdp import full_parameters, load_model_state, model_state, shard_policy
+from cod_fast.dist.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.model.loading import load_policy
+from cod_fast.model.policy import Policy
 from cod_fast.ops import aggregation_denominator
-from cod_fast.packing import pack_microbatches, rollout_sequences, step_totals
-from cod_fast.policy import Policy
-from cod_fast.train_step import train_step
-from tests.test_layout_invariance import random_episode
+from cod_fast.train.step import train_step
+from tests.data.test_layout_invariance import random_episode
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 KEEP_ALL = LossConfig(policy="rec_one_side", eps_low=0.99, eps_high=100.0)
@@ -70,7 +66,7 @@ def train(policy, optimizer, step, ctx) -> dict:
         optimizer,
         batches[ctx.rank],
         denominator=denominator,
-        config=KEEP_ALL,
+        loss_config=KEEP_ALL,
         grad_clip=GRAD_CLIP,
     )
     return vars(result)
@@ -96,7 +92,7 @@ def run(rank: int, world_size: int, port: int, out: str, one_process_state: str)
     # A no-grad forward leaves the root gathered; the gathers must still see the true weights.
     probe = step_batch(STEPS[0], world_size)[0][ctx.rank][0]
     with torch.no_grad():
-        policy(probe, config=KEEP_ALL, mode="logprobs")
+        policy(probe, loss_config=KEEP_ALL, mode="logprobs")
     got["init_params"] = [(name, t.clone()) for name, t in full_parameters(policy)]
     # Saving and loading a never-stepped optimizer must leave it fresh (the steps compare it).
     got["fresh_optimizer_state"] = optimizer_state(policy, optimizer, ctx)

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from cod_fast.envs.base import Agent, Environment, StepOutcome, Task, rng_for
-from cod_fast.tokenizer import CHATML, char_tokenizer  # noqa: F401 - re-exported for tests
+from cod_fast.model.tokenizer import CHATML, char_tokenizer  # noqa: F401 - re-exported for tests
 
 
 class GuessTask(Task):
@@ -106,7 +106,7 @@ def guess_policy(prompt: str) -> str:
 def save_tiny_qwen3(path, tokenizer, seed: int = 0, head_dim: int = 8, scale: float = 1.0):
     """A 2-layer Qwen3 with random weights (seeded, global RNG untouched; multiplied by `scale`,
     which makes the next-token distributions more peaked, like a trained model's) saved with
-    `tokenizer` like a real model folder; returns the path. Not `cod_fast.model.build_tiny_qwen3`:
+    `tokenizer` like a real model folder; returns the path. Not `cod_fast.model.loading.build_tiny_qwen3`:
     this one has grouped-query attention (2 KV heads for 4 query heads), as real Qwen3 models
     do, which the samplers' KV caches and the eval tests should see."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -40,7 +40,7 @@ def lonely_fifo(folder: Path, seconds: float = 10.0) -> Iterator[Path]:
 # write fails with EFBIG ("File too large") as it would with ENOSPC on a full disk.
 _FULL_DISK = """
 import resource, signal, sys
-from cod_fast.cli import app
+from cod_fast.cli.app import app
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 limit = int(sys.argv[1])
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

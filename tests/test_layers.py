@@ -1,278 +1,233 @@
-"""Layer kernels (cod_fast.ops.layers): the C++ and torch RMSNorm, SwiGLU and decode attention
-against float64 references, on odd shapes and fresh random inputs."""
+"""The package's layers (docs/architecture.md): every import of every module of cod_fast, its
+Triton kernels (cod_fast.kernels) and its benchmarks (cod_fast.bench), inside functions and
+under TYPE_CHECKING too, goes to its own folder or a lower layer, and no imports form a cycle.
+
+The layer order is read from the table in docs/architecture.md, so the drawing and this test
+cannot drift apart. A string that names a module (`"cod_fast.envs.frozenlake:FrozenLake"` in the
+environment registry, `"cod_fast.kernels.rows"` in the kernel dispatch) is an import too: it is
+imported by name at run time; one that names a program (a module run with `python -m`, such as
+the CLI a benchmark starts in its own process) is a command line, not an import.
+"""
 
 from __future__ import annotations
 
-import math
+import ast
+import re
+from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
 
-from cod_fast.ops import layers
-from cod_fast.ops.cpp_rows import HAS_CPP
-from cod_fast.ops.layers import (
-    RMSNormFunction,
-    SwiGLUDownFunction,
-    decode_attention,
-    keys_transposed,
-    layer_impl,
-    rms_norm,
-    swiglu_down,
-)
-
-IMPLS = ["torch"] + (["cpp"] if HAS_CPP else [])
-needs_cpp = pytest.mark.skipif(not HAS_CPP, reason="cod_fast._cpp not built")
-EPS32 = torch.finfo(torch.float32).eps
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"cod_fast": ROOT / "cod_fast", "cod_fast.kernels": ROOT / "kernels"}
+SOURCES["cod_fast.bench"] = ROOT / "bench"
+EXTENSION = "cod_fast._cpp"
+"""The compiled C++ kernels (csrc/), a module without source here: the ops layer's."""
+MODULE_NAME = re.compile(r"cod_fast(?:\.\w+)+(?::\w+)?")
 
 
-def report(name, got, want):
-    """Max abs error and where, for a failing assertion's message."""
-    diff = (got.double() - want).abs()
-    idx = np.unravel_index(int(diff.argmax()), tuple(diff.shape)) if diff.numel() else ()
-    return f"{name}: max error {diff.max().item() if diff.numel() else 0:.3e} at {idx}"
+def layer_order() -> list[str]:
+    """The layers, bottom first: the first column of docs/architecture.md's layer table (rows
+    `| 0 | common/ | ... |`), one folder (or `cod_fast/__init__.py`) per row."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `([\w./_]+)`", text, re.MULTILINE)
+    assert rows, "docs/architecture.md has no layer table"
+    assert [int(n) for n, _ in rows] == list(range(len(rows))), "layers numbered 0, 1, 2, ..."
+    return [name.removesuffix("/") for _, name in rows]
 
 
-def within_budget(name, got, torch32, exact, slack=4.0, scale=0.0):
-    """`got` (float32) is no further from the float64 `exact` than eager torch's float32
-    `torch32`, times 2, plus `slack` ulps of the larger of the result's scale and `scale` (the
-    size of the terms that cancel in it)."""
-    assert got.shape == exact.shape, name
-    if exact.numel() == 0:
-        return
-    scale = max(scale, exact.abs().max().item())
-    budget = 2 * (torch32.double() - exact).abs().max().item() + slack * EPS32 * max(scale, 1e-30)
-    err = (got.double() - exact).abs().max().item()
-    assert err <= budget, f"{report(name, got, exact)} > budget {budget:.3e}"
+def modules() -> dict[str, Path]:
+    """Every module of the distribution by its installed name."""
+    found = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
 
 
-def exact_rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+def imports(
+    name: str, path: Path, known: set[str], programs: frozenset[str] = frozenset()
+) -> set[str]:
+    """The modules of `known` that module `name` (at `path`) imports, wherever in the file; a
+    string naming one of `programs` is a command line, not an import."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            # `from package import module` imports the module; `from module import name` the module
+            targets += [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and MODULE_NAME.fullmatch(node.value)
+            and node.value not in programs
+        ):
+            targets.append(node.value.partition(":")[0])
+    found = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
 
 
-RMS_SHAPES = [(1, 1), (7, 123), (3, 5, 96), (2, 9, 3, 13), (300, 513), (0, 8)]
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found) | {EXTENSION}
+    programs = frozenset(name for name, path in found.items() if _runs_as_program(path))
+    edges = {name: imports(name, path, known, programs) for name, path in found.items()}
+    edges[EXTENSION] = set()
+    return edges
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shape", RMS_SHAPES)
-def test_rms_norm_forward_and_gradients_match_float64(impl, shape):
-    """y, dx and dw of the RMSNorm in float32 are within eager float32's distance of float64."""
-    g = torch.Generator().manual_seed(hash(shape) % 2**31)
-    x64 = 3 * torch.randn(*shape, generator=g, dtype=torch.float64)
-    w64 = 1 + 0.5 * torch.randn(shape[-1], generator=g, dtype=torch.float64)
-    up64 = torch.randn(*shape, generator=g, dtype=torch.float64)
-    eps = 1e-6
-
-    def run(fn, dtype):
-        x = x64.to(dtype, copy=True).requires_grad_()
-        w = w64.to(dtype, copy=True).requires_grad_()
-        y = fn(x, w)
-        (y * up64.to(dtype)).sum().backward()
-        return y.detach(), x.grad, w.grad
-
-    exact = run(lambda x, w: exact_rms(x, w, eps), torch.float64)
-    eager = run(lambda x, w: exact_rms(x, w, eps), torch.float32)
-    got = run(lambda x, w: rms_norm(x, w, eps, impl=impl), torch.float32)
-    # dx = rstd (g w - xhat mean(g w xhat)) cancels to ~0 when H = 1: its terms set the scale
-    terms = (up64 * w64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)).abs()
-    scales = (0.0, terms.max().item() if terms.numel() else 0.0, 0.0)
-    for name, a, b, c, s in zip(("y", "dx", "dw"), got, eager, exact, scales, strict=True):
-        within_budget(name, a, b, c, scale=s)
+def _runs_as_program(path: Path) -> bool:
+    """Whether `python -m` runs the module: it has a main block, or it is a package with a
+    __main__.py."""
+    if path.name == "__init__.py":
+        return (path.parent / "__main__.py").is_file()
+    return 'if __name__ == "__main__"' in path.read_text()
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("shape", [(1, 1, 1), (5, 7, 37), (2, 50, 256), (0, 3, 4)])
-def test_swiglu_down_forward_and_gradients_match_float64(impl, shape):
-    """down(SiLU(g) u) and its three gradients in float32 are within eager float32's distance
-    of float64, with gates far in both tails (sigmoid saturates)."""
-    g = torch.Generator().manual_seed(sum(shape) + 11)
-    gate64 = 4 * torch.randn(*shape, generator=g, dtype=torch.float64)
-    gate64.view(-1)[::7] *= 30  # |g| up to ~400: exp(-|g|) underflows
-    up64 = torch.randn(*shape, generator=g, dtype=torch.float64)
-    w64 = torch.randn(9, shape[-1], generator=g, dtype=torch.float64) / math.sqrt(shape[-1])
-    upstream = torch.randn(*shape[:-1], 9, generator=g, dtype=torch.float64)
-
-    def run(fn, dtype):
-        ins = [t.to(dtype, copy=True).requires_grad_() for t in (gate64, up64, w64)]
-        y = fn(*ins)
-        (y * upstream.to(dtype)).sum().backward()
-        return (y.detach(), *(t.grad for t in ins))
-
-    def plain(a, b, w):
-        return F.linear(F.silu(a) * b, w)
-
-    exact = run(plain, torch.float64)
-    eager = run(plain, torch.float32)
-    got = run(lambda a, b, w: swiglu_down(a, b, w, impl=impl), torch.float32)
-    for name, a, b, c in zip(("y", "dgate", "dup", "dw"), got, eager, exact, strict=True):
-        within_budget(name, a, b, c)
+def layer_of(module: str, order: list[str]) -> int:
+    """The layer of a module: its folder's (the kernels and the C++ extension are the ops
+    layer's; the package's own __init__ is a row of the table)."""
+    if module == "cod_fast":
+        return order.index("cod_fast/__init__.py")
+    folder = module.split(".")[1]
+    folder = "ops" if folder in ("kernels", "_cpp") else folder
+    if folder not in order:
+        raise AssertionError(f"{module}: folder {folder}/ is not in docs/architecture.md's layers")
+    return order.index(folder)
 
 
-def test_torch_functions_pass_gradcheck_in_float64():
-    """The hand-written backward passes of the torch path are the derivatives of their forwards."""
-    g = torch.Generator().manual_seed(1)
-    gate, up = (torch.randn(3, 5, 7, generator=g, dtype=torch.float64) for _ in range(2))
-    down = torch.randn(6, 7, generator=g, dtype=torch.float64)
-    inputs = [t.requires_grad_() for t in (gate, up, down)]
-    assert torch.autograd.gradcheck(
-        lambda a, b, c: SwiGLUDownFunction.apply(a, b, c, "torch"), inputs
+def upward(edges: dict[str, set[str]], order: list[str]) -> list[str]:
+    """Every import of a higher layer, as 'importer -> imported'."""
+    return sorted(
+        f"{m} -> {t}"
+        for m, targets in edges.items()
+        for t in targets
+        if layer_of(t, order) > layer_of(m, order)
     )
-    x = (3 * torch.randn(4, 2, 9, generator=g, dtype=torch.float64)).requires_grad_()
-    w = torch.randn(9, generator=g, dtype=torch.float64).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: RMSNormFunction.apply(a, b, 1e-6, "torch"), [x, w])
 
 
-def exact_decode(q, k, v, norms, cos, sin, keys, values, mask, col, scale):
-    """float64 reference of a decode step: per-head norms, rotary, the new column, then
-    softmax(scale q K^T) V over columns 0..col where `mask` is true (grouped heads; a row with
-    no key gives zeros). Returns (out, rotated k)."""
-    q, k, v, cos, sin = (t.double() for t in (q, k, v, cos, sin))
-    if norms is not None:
-        q = exact_rms(q, norms[0].double(), norms[2])
-        k = exact_rms(k, norms[1].double(), norms[2])
-    half = q.shape[-1] // 2
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
 
-    def rope(x):
-        return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
 
-    q, k = rope(q), rope(k)
-    keys, values = keys[:, :, : col + 1].double().clone(), values[:, :, : col + 1].double().clone()
-    keys[:, :, col], values[:, :, col] = k, v
-    group = q.shape[1] // keys.shape[1]
-    keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
-    s = scale * (q[:, :, None] @ keys.transpose(-1, -2))[:, :, 0]  # [B, Hq, col + 1]
-    s = s.masked_fill(~mask[:, None, : col + 1], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return (p[:, :, None] @ values)[:, :, 0], k
+def test_no_import_goes_up_a_layer():
+    """0 upward imports: each module imports its own folder or lower layers only."""
+    order = layer_order()
+    edges = graph()
+    assert len(edges) > 100  # the whole package was read
+    assert upward(edges, order) == []
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("normed", [True, False], ids=["qk-norm", "no-norm"])
+def test_no_import_cycles():
+    """0 cycles among the modules, counting imports inside functions."""
+    assert cycles(graph()) == []
+
+
+def test_every_folder_has_a_layer_and_a_readme():
+    """A new folder must take its place in the drawing, and say in a few lines what it holds."""
+    order = layer_order()
+    folders = {p.parent for p in (ROOT / "cod_fast").glob("*/__init__.py")}
+    for folder in folders:
+        assert folder.name in order, f"{folder.name}/ is not in docs/architecture.md's layers"
+        assert (folder / "README.md").is_file(), f"cod_fast/{folder.name}/ has no README.md"
+    flat = sorted(p.name for p in (ROOT / "cod_fast").glob("*.py") if p.name != "__init__.py")
+    assert flat == [], f"modules outside the folders: {flat}"
+
+
+def test_the_tests_mirror_the_folders():
+    """Each folder of tests/ is a folder of the package (or bench/), so a module's tests are
+    found where the module is."""
+    order = layer_order()
+    test_folders = {p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")}
+    assert test_folders, "tests/ has no folders"
+    assert sorted(test_folders - set(order)) == []
+
+
 @pytest.mark.parametrize(
-    "rows, heads, kv_heads, width, col, d",
-    [(1, 1, 1, 1, 0, 2), (5, 6, 2, 40, 32, 14), (32, 3, 3, 80, 56, 32), (3, 4, 1, 9, 8, 64)],
+    ("edges", "want_up", "want_cycles"),
+    [
+        ({"cod_fast.config.a": {"cod_fast.train.b"}, "cod_fast.train.b": set()}, 1, 0),
+        ({"cod_fast.train.a": {"cod_fast.config.b"}, "cod_fast.config.b": set()}, 0, 0),
+        (
+            {"cod_fast.ops.a": {"cod_fast.ops.b"}, "cod_fast.ops.b": {"cod_fast.ops.c"}}
+            | {"cod_fast.ops.c": {"cod_fast.ops.a"}},
+            0,
+            1,
+        ),
+    ],
 )
-def test_decode_attention_matches_float64(impl, normed, rows, heads, kv_heads, width, col, d):
-    """A decode step after the projections (per-head norms, rotary, the new cache column, one
-    query per row and head under a key mask with a fully masked row, grouped heads) is within
-    twice the torch float32 path's distance of float64; it writes column `col` of the cache
-    and nothing past it."""
-    g = torch.Generator().manual_seed(rows * 100 + col + normed)
-    q = 2 * torch.randn(rows, heads, d, generator=g)
-    k, v = (torch.randn(rows, kv_heads, d, generator=g) for _ in range(2))
-    theta = torch.rand(rows, d // 2, generator=g) * 50
-    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
-    norms = (1 + 0.3 * torch.randn(d, generator=g), 1 + 0.3 * torch.randn(d, generator=g), 1e-6)
-    norms = norms if normed else None
-    keys = torch.randn(rows, kv_heads, width, d, generator=g)
-    values = torch.randn(rows, kv_heads, width, d, generator=g)
-    keys[:, :, col + 1 :] = float("nan")  # columns past col must be neither read nor written
-    values[:, :, col + 1 :] = float("nan")
-    mask = torch.rand(rows, width + 3, generator=g) > 0.3
-    mask[:, col] = True
-    if rows > 2:
-        mask[1] = False  # no key at all
-    scale = 1 / math.sqrt(d)
-    exact, exact_k = exact_decode(q, k, v, norms, cos, sin, keys, values, mask, col, scale)
-
-    def run(impl):
-        """(out, the cache's keys seen as [B, Hkv, W, d], its values) in impl's key layout."""
-        transposed = keys_transposed(impl, q)
-        cache = keys.transpose(-1, -2).contiguous() if transposed else keys.clone()
-        vals = values.clone()
-        out = decode_attention(q, k, v, norms, cos, sin, cache, vals, mask, col, scale, impl)
-        return out, cache.transpose(-1, -2) if transposed else cache, vals
-
-    eager, _, _ = run("torch")
-    got, cached, vals = run(impl)
-    assert got.shape == q.shape
-    within_budget("out", got, eager, exact, slack=16)
-    torch.testing.assert_close(cached[:, :, col].double(), exact_k, rtol=0, atol=1e-5)
-    assert torch.equal(vals[:, :, col], v)
-    assert cached[:, :, col + 1 :].isnan().all() and vals[:, :, col + 1 :].isnan().all()
+def test_the_checks_find_what_they_look_for(edges, want_up, want_cycles):
+    """The checks themselves: an upward import and a three-module cycle are reported."""
+    order = layer_order()
+    assert len(upward(edges, order)) == want_up
+    assert len(cycles(edges)) == want_cycles
 
 
-@needs_cpp
-def test_cpp_kernels_overwrite_every_output():
-    """Outputs poisoned with NaN before the call hold finite values after it."""
-    from cod_fast import _cpp
-
-    g = np.random.default_rng(3)
-    x = g.standard_normal((6, 11), dtype=np.float32)
-    w = g.standard_normal(11, dtype=np.float32)
-    y, rstd = np.full_like(x, np.nan), np.full(6, np.nan, dtype=np.float32)
-    _cpp.rms_norm_forward(x, w, 1e-6, y, rstd)
-    dx, dw = np.full_like(x, np.nan), np.full_like(w, np.nan)
-    _cpp.rms_norm_backward(x, x, w, rstd, dx, dw)
-    gp, du, prod = x.copy(), np.full_like(x, np.nan), np.full_like(x, np.nan)
-    _cpp.swiglu_forward(x, x, y)
-    _cpp.swiglu_backward_(gp, x, x, du, prod)
-    q = g.standard_normal((2, 2, 4), dtype=np.float32)
-    kv = g.standard_normal((2, 1, 4), dtype=np.float32)
-    cos_sin = g.standard_normal((2, 4), dtype=np.float32)
-    keys_t = g.standard_normal((2, 1, 4, 5), dtype=np.float32)
-    values = g.standard_normal((2, 1, 5, 4), dtype=np.float32)
-    out = np.full_like(q, np.nan)
-    mask = np.ones((2, 5), dtype=bool)
-    _cpp.decode_attention_(q, kv, kv, None, None, 1e-6, cos_sin, cos_sin, keys_t, values, mask,
-                           2, 0.5, out)  # fmt: skip
-    for name, a in dict(y=y, rstd=rstd, dx=dx, dw=dw, gp=gp, du=du, prod=prod, out=out).items():
-        assert np.isfinite(a).all(), name
-
-
-@needs_cpp
-def test_cpp_kernels_propagate_nan():
-    """A NaN input reaches its own outputs (no clamp or select swallows it)."""
-    x = torch.randn(3, 8)
-    x[1, 2] = float("nan")
-    y = rms_norm(x, torch.ones(8), 1e-6, impl="cpp")
-    assert y[1].isnan().all() and not y[[0, 2]].isnan().any()
-    out = swiglu_down(x, torch.ones(3, 8), torch.eye(8), impl="cpp")
-    assert out[1, 2].isnan() and not out[0].isnan().any()
-
-
-@needs_cpp
-def test_bad_arguments_are_named():
-    """A float64 input to impl='cpp' and a column count past the cache are refused by name."""
-    with pytest.raises(ValueError, match="float32 CPU tensors"):
-        rms_norm(
-            torch.ones(2, 3, dtype=torch.float64), torch.ones(3, dtype=torch.float64), 1e-6, "cpp"
-        )
-    q, kv, cs = torch.ones(1, 2, 4), torch.ones(1, 1, 4), torch.ones(1, 4)
-    keys_t, values = torch.ones(1, 1, 4, 3), torch.ones(1, 1, 3, 4)
-    mask = torch.ones(1, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match="col = 3 must be in"):
-        decode_attention(q, kv, kv, None, cs, cs, keys_t, values, mask, 3, 1.0, impl="cpp")
-    with pytest.raises(ValueError, match="multiple of key-value heads"):
-        decode_attention(q, torch.ones(1, 3, 4), torch.ones(1, 3, 4), None, cs, cs,
-                         keys_t.expand(1, 3, 4, 3).contiguous(),
-                         values.expand(1, 3, 3, 4).contiguous(), mask, 2, 1.0, impl="cpp")  # fmt: skip
-    with pytest.raises(ValueError, match="must be even"):
-        odd = torch.ones(1, 2, 3)
-        decode_attention(odd, odd[:, :1], odd[:, :1], None, torch.ones(1, 3), torch.ones(1, 3),
-                         torch.ones(1, 1, 3, 3), torch.ones(1, 1, 3, 3), mask, 0, 1.0, "cpp")  # fmt: skip
-    with pytest.raises(ValueError, match="unknown layer kernel"):
-        layer_impl("triton", torch.ones(1))
-
-
-def test_default_impl_follows_device_dtype_and_env(monkeypatch):
-    """cpp for float32 CPU tensors when built; torch for other dtypes and under
-    COD_FAST_IMPL=torch."""
-    monkeypatch.delenv("COD_FAST_IMPL", raising=False)
-    assert layer_impl(None, torch.ones(1)) == ("cpp" if HAS_CPP else "torch")
-    assert layer_impl(None, torch.ones(1, dtype=torch.bfloat16)) == "torch"
-    assert layer_impl(None, torch.ones(1, dtype=torch.float64)) == "torch"
-    monkeypatch.setenv("COD_FAST_IMPL", "torch")
-    assert layer_impl(None, torch.ones(1)) == "torch"
-    assert layers.LAYER_IMPLS == ("cpp", "torch")
-
-
-@needs_cpp
-def test_parameters_stay_resizable():
-    """FSDP2 frees a gathered parameter by resizing its storage to 0; sharing a storage with
-    numpy makes it non-resizable, so the kernels must never take a parameter's own storage."""
-    w = torch.nn.Parameter(torch.ones(8))
-    x = torch.randn(3, 8, requires_grad=True)
-    rms_norm(x, w, 1e-6, impl="cpp").sum().backward()
-    w.data.untyped_storage().resize_(0)
+def test_an_import_inside_a_function_and_a_module_string_count(tmp_path):
+    """Imports in a function body, relative imports and module-name strings are all edges; a
+    program's name (a command line) is not."""
+    source = tmp_path / "m.py"
+    source.write_text(
+        "def f():\n    from cod_fast.train import trainer\n"
+        "from ..run import log\n"
+        "KERNELS = {'triton': 'cod_fast.kernels.rows'}\n"
+        "COMMAND = ['python', '-m', 'cod_fast.cli.app', 'train']\n"
+    )
+    known = {"cod_fast.train.trainer", "cod_fast.run.log", "cod_fast.kernels.rows", "cod_fast.run"}
+    known.add("cod_fast.cli.app")
+    found = imports("cod_fast.eval.m", source, known, frozenset({"cod_fast.cli.app"}))
+    assert found == {"cod_fast.train.trainer", "cod_fast.run.log", "cod_fast.kernels.rows"}

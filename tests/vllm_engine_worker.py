@@ -21,16 +21,16 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from cod_fast.config import LossConfig, ModelConfig
-from cod_fast.distributed import full_parameters
-from cod_fast.model import load_policy
+from cod_fast.data.packing import Segment, Sequence, build_microbatch, step_totals
+from cod_fast.dist.fsdp import full_parameters
+from cod_fast.model.loading import load_policy
+from cod_fast.model.policy import Policy
+from cod_fast.model.tokenizer import CHATML, char_tokenizer
 from cod_fast.ops import aggregation_denominator
-from cod_fast.packing import Segment, Sequence, build_microbatch, step_totals
-from cod_fast.policy import Policy
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.torch_sampler import processed_logprobs
 from cod_fast.rollout.vllm_sampler import VLLMSampler, engine_support
-from cod_fast.tokenizer import CHATML, char_tokenizer
-from cod_fast.train_step import train_step
+from cod_fast.train.step import train_step
 from tests.rollout_helpers import save_tiny_qwen3
 
 T = 0.7
@@ -55,7 +55,7 @@ def trainer_logprobs(policy: Policy, seqs: list[Sequence], temperature: float) -
     """The trainer's own log-probs of the response tokens: Policy over one packed micro-batch."""
     policy.eval()
     mb = build_microbatch(seqs)
-    out = policy(mb, config=LossConfig(temperature=temperature), mode="logprobs")
+    out = policy(mb, loss_config=LossConfig(temperature=temperature), mode="logprobs")
     return out.double().tolist()
 
 
@@ -171,7 +171,7 @@ def push(sampler, policy, prompts, caps, samples) -> dict:
     loss = LossConfig(temperature=T)
     denominator = aggregation_denominator(loss, *step_totals([batch]))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-2)
-    train_step(policy, optimizer, batch, denominator=denominator, config=loss, grad_clip=1e9)
+    train_step(policy, optimizer, batch, denominator=denominator, loss_config=loss, grad_clip=1e9)
     pushed = sampler.push_weights(full_parameters(policy))
     resampled = sampler.with_seed(31).generate(prompts, caps)
     return {

@@ -24,7 +24,7 @@ from cod_fast.algo.advantages import (
     task_by_task_advantages,
 )
 from cod_fast.config import AlgoConfig
-from cod_fast.records import Episode, Rollout
+from cod_fast.data.records import Episode, Rollout
 
 
 def _by_pack(rollouts: list[Rollout]) -> dict[int, list[Rollout]]:

@@ -8,18 +8,18 @@ instead of its own driver; `train.max_staleness` bounds how old the weights of a
 
 from __future__ import annotations
 
-from cod_fast.async_rl.channel import RolloutWorkerError, make_groups
 from cod_fast.async_rl.source import RemoteBatches
 from cod_fast.async_rl.worker import RolloutWorker
 from cod_fast.config import Config
-from cod_fast.distributed import init_distributed, resolve_device
-from cod_fast.model import master_dtype, resolve_dtype
+from cod_fast.dist.channel import RolloutWorkerError, make_groups
+from cod_fast.dist.context import init_distributed, resolve_device
+from cod_fast.model.loading import master_dtype, resolve_dtype
 
 
 def start_roles(cfg: Config):
     """This process's part of an asynchronous run: a `Trainer` fed by the workers, or a
     `RolloutWorker`."""
-    from cod_fast.trainer import Trainer  # the trainer imports this package's source
+    from cod_fast.train.trainer import Trainer  # the trainer imports this package's source
 
     runtime = cfg.runtime
     device = resolve_device(runtime.device)

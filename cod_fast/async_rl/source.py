@@ -1,6 +1,6 @@
 """The trainer's batch source when rollout workers sample (docs/async.md).
 
-A `cod_fast.batches.BatchSource`, like `LocalBatches`. The first `next` tells the workers where
+A `cod_fast.train.batches.BatchSource`, like `LocalBatches`. The first `next` tells the workers where
 RL starts and broadcasts the weights they start from; every batch then comes from the workers'
 queue, tagged with the version it was sampled with. After each update `trained` copies the new
 weights when the staleness rule (cod_fast.async_rl.staleness) says a batch needs them; trainer 0
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cod_fast.async_rl.channel import (
+from cod_fast.async_rl.staleness import broadcasts, ready_after, weights_version
+from cod_fast.dist.channel import (
     BatchReceiver,
     Groups,
     RolloutWorkerError,
@@ -24,15 +25,15 @@ from cod_fast.async_rl.channel import (
     WeightPublisher,
     send_start,
 )
-from cod_fast.async_rl.staleness import broadcasts, ready_after, weights_version
-from cod_fast.batches import Batch, sort_rollouts
-from cod_fast.distributed import DistContext, broadcast_object, full_parameters
+from cod_fast.dist.context import DistContext, broadcast_object
+from cod_fast.dist.fsdp import full_parameters
+from cod_fast.train.batches import Batch, sort_rollouts
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from cod_fast.config import Config
-    from cod_fast.policy import Policy
+    from cod_fast.model.policy import Policy
 
 
 class RemoteBatches:

@@ -14,7 +14,9 @@ import traceback
 
 import torch
 
-from cod_fast.async_rl.channel import (
+from cod_fast.async_rl.staleness import next_broadcast, weights_version
+from cod_fast.config import Config
+from cod_fast.dist.channel import (
     Groups,
     Start,
     WorkerBatch,
@@ -22,18 +24,16 @@ from cod_fast.async_rl.channel import (
     send_batch,
     send_start,
 )
-from cod_fast.async_rl.staleness import next_broadcast, weights_version
-from cod_fast.batches import rl_packs
-from cod_fast.config import Config
-from cod_fast.distributed import DistContext
+from cod_fast.dist.context import DistContext
+from cod_fast.dist.host_memory import keep_freed_memory
 from cod_fast.envs import make_envs
-from cod_fast.evaluate import run_eval_sampling
-from cod_fast.host_memory import keep_freed_memory
-from cod_fast.model import load_policy, resolve_dtype
+from cod_fast.eval.evaluate import run_eval_sampling
+from cod_fast.model.loading import load_policy, resolve_dtype
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import build_samplers
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
-from cod_fast.warmstart import run_tokenizer
+from cod_fast.run.vocab import run_tokenizer
+from cod_fast.train.batches import rl_packs
 
 
 class RolloutWorker:
@@ -126,5 +126,4 @@ class RolloutWorker:
 
     def close(self) -> None:
         for sampler in (self.samplers.train, self.samplers.eval):
-            if hasattr(sampler, "close"):
-                sampler.close()
+            sampler.close()

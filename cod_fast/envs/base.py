@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
+
+from cod_fast.common.errors import CodFastError
+from cod_fast.envs.text import NUMBER as NUMBER  # re-exported: environments parse with them
+from cod_fast.envs.text import Tag as Tag
 
 if TYPE_CHECKING:
     from cod_fast.envs.judge import JudgeQuery, Verdict
@@ -43,10 +46,6 @@ NO_HINTS = None
 MAX_ACTION_CHARS = 32_000
 """The longest action an environment reads: a 2048-token response is well under 10,000
 characters, and refusing longer text before parsing bounds every parser's work."""
-NUMBER = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-r"""A decimal number in model text (`3`, `-0.5`, `.5`, `2.`, `1e-3`). No two of its parts can match
-the same digits: `\d*\.?\d+` could, and retried every split of a digit run (16,000 digits took
-seconds)."""
 
 
 def derive_seed(*parts: object) -> int:
@@ -65,28 +64,6 @@ def too_long(action: str) -> str | None:
     if len(action) <= MAX_ACTION_CHARS:
         return None
     return f"the action is too long: {len(action)} characters, at most {MAX_ACTION_CHARS}"
-
-
-class Tag:
-    """Finds `<name>...</name>` blocks in model text (case-insensitive; with `spaced`, also
-    `< name >` and `</ name >`): the blocks `re.findall(r"<name>(.*?)</name>")` finds, in time
-    linear in the text. The lazy `(.*?)` rescans the rest of the text from every opening tag that
-    has no closing one, which took 11 s on 128K characters of repeated `<answer>`; here each
-    search starts where the previous one stopped."""
-
-    def __init__(self, name: str, spaced: bool = False):
-        gap = r"\s*" if spaced else ""
-        self.opening = re.compile(rf"<{gap}{name}{gap}>", re.IGNORECASE)
-        self.closing = re.compile(rf"<{gap}/{gap}{name}{gap}>", re.IGNORECASE)
-
-    def last_block(self, text: str) -> str | None:
-        """The content of the last complete block, None when there is none."""
-        block, pos = None, 0
-        while (start := self.opening.search(text, pos)) and (
-            end := self.closing.search(text, start.end())
-        ):
-            block, pos = text[start.end() : end.start()], end.end()
-        return block
 
 
 @dataclass
@@ -164,7 +141,7 @@ class Agent(ABC):
         return old_hints
 
 
-class MissingScriptedAgent(ValueError):
+class MissingScriptedAgent(ValueError, CodFastError):
     """A scripted agent (solver or explorer) asked of an environment that defines none."""
 
     def __init__(self, env: Environment, agent: str, used_as: str):

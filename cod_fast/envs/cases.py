@@ -3,7 +3,7 @@
 One JSON object per line, `{"facts": {"fever": "yes", "cough": "no"}, "answer": "flu",
 "distractors": ["cold", "allergy"], "group": "respiratory"}` (`group` optional). Names are
 matched in lower case with runs of whitespace made one space (`normalise`). Anything else is a
-`CasesError` of one line naming the file, the line, the field and the fix; cod_fast.preflight
+`CasesError` of one line naming the file, the line, the field and the fix; cod_fast.train.preflight
 reads the file before a run writes anything. The file is bounded (MAX_CASES_BYTES, MAX_CASES,
 MAX_LINE_CHARS) and must be a regular file: `/dev/zero` or a named pipe is refused unread.
 """
@@ -16,7 +16,8 @@ import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from cod_fast.bounded_read import ReadRefused, read_bounded
+from cod_fast.common.bounded_read import ReadRefused, read_bounded
+from cod_fast.common.errors import CodFastError
 
 MAX_NAME_CHARS = 40
 """The longest condition or finding name read (a longer `ask` is a malformed action)."""
@@ -46,7 +47,7 @@ class Case:
     """Cases of one group form the packs of that group."""
 
 
-class CasesError(ValueError):
+class CasesError(ValueError, CodFastError):
     """A cases file that cannot be used; one line naming the file, the line, the field, the fix."""
 
 

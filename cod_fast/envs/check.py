@@ -14,7 +14,7 @@
 
 Every step of every check must keep the reward finite and inside the environment's declared
 `reward_range`. The tests of the built-in environments run these same checks
-(tests/test_env_fuzz.py, tests/test_envs_registry.py).
+(tests/envs/test_env_fuzz.py, tests/envs/test_envs_registry.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ there) and known from the second on (0.79, then 0.92 and 0.99).
 Every map has a safe path from start to goal within the move budget (the layout is redrawn, from
 a seed that counts the attempts, until it has one), so every task is solvable.
 
-Hints are scored entry by entry (cod_fast.diagnostics): an entry is an action number and its
+Hints are scored entry by entry (cod_fast.data.diagnostics): an entry is an action number and its
 direction, written `1=up 2=? 3=? 4=left` as the explorer writes them, and what a trajectory shows
 is what the explorer reads from the same moves.
 """

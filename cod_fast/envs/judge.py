@@ -6,7 +6,7 @@ final answer, and its own rule-based verdict. A `Judge` turns the query into a `
 in [0, 1] and a flag for a trajectory it cannot grade (`malformed`); the task turns the verdict
 into its reward (`Task.judged_reward`). The default judge is the environment's own rule
 (`RuleJudge`); a Hugging Face model folder or an OpenAI-compatible endpoint can stand in for it
-(cod_fast.judges), reading the same prompt (`judge_prompt`) and answering in the same form
+(cod_fast.rollout.judge_clients), reading the same prompt (`judge_prompt`) and answering in the same form
 (`parse_verdict`). A malformed trajectory is left out of its pack's advantage group
 (cod_fast.algo.assign), as Trinity-RFT drops the trajectories its judge flags.
 
@@ -20,7 +20,8 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from cod_fast.envs.base import NUMBER, Tag
+from cod_fast.common.errors import CodFastError
+from cod_fast.envs.text import NUMBER, Tag
 
 SCORE_TAG = Tag("score")
 MALFORMED_RE = re.compile(r"<\s*malformed\s*/?\s*>", re.IGNORECASE)
@@ -28,7 +29,7 @@ MAX_REPLY_CHARS = 20_000
 """The longest judge reply read; a longer one is an error (a judge that rambles is broken)."""
 
 
-class JudgeError(RuntimeError):
+class JudgeError(RuntimeError, CodFastError):
     """A judge that failed to give a verdict (unreachable, timed out, an unreadable reply); the
     driver scores the episode as an environment error, with this message as its one line."""
 
@@ -70,7 +71,7 @@ class JudgeQuery:
 
 class Judge(ABC):
     """Scores finished solve episodes. Implementations: `RuleJudge` here, a model folder and an
-    endpoint in cod_fast.judges."""
+    endpoint in cod_fast.rollout.judge_clients."""
 
     name: str = "judge"
 

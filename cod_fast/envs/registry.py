@@ -13,7 +13,7 @@ Nothing is imported to check a name (`environment_problem`, which every config r
 an entry point is imported only when its environment is made. A config read from a folder
 someone else wrote (a run directory, an exported model) therefore runs no code by being read,
 and the commands that would make its environment refuse a path it names unless the user names
-that path too (cod_fast.matrix `load_player`).
+that path too (cod_fast.eval.matrix `load_player`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from cod_fast.common.errors import CodFastError
 from cod_fast.config import clipped, shown
 from cod_fast.envs.base import Environment, Setting, Size, derive_seed
 
@@ -58,7 +59,7 @@ _registered: dict[str, type[Environment]] = {}
 E = TypeVar("E", bound=type[Environment])
 
 
-class EnvironmentLookupError(ValueError):
+class EnvironmentLookupError(ValueError, CodFastError):
     """A name that means no environment, or a path or entry point that does not load one."""
 
 

@@ -265,19 +265,19 @@ def fused_linear_policy_loss(
     targets: torch.Tensor,
     inputs: LossInputs,
     *,
-    config: LossConfig,
+    loss_config: LossConfig,
 ) -> PolicyLossOutput:
     """`linear_policy_loss` through the chunked driver and the given row-kernel backend."""
     gemms_dtype = compute_dtype(hidden, weight)
-    inv_temp = 1.0 / config.temperature
+    inv_temp = 1.0 / loss_config.temperature
     chunk = chunk_rows(targets.shape[0], weight.shape[0], hidden.device, gemms_dtype)
     prepass = None
-    if config.ratio_level == "sequence":
+    if loss_config.ratio_level == "sequence":
         prepass, _, _ = logprobs_forward(
             rows_impl, _Gemms(hidden, weight), targets, inv_temp, chunk
         )
-    head = prepare_head(inputs, config, prepass_logp=prepass, dtype=gemms_dtype)
-    switches = kernel_switches(config, on_policy=head.old is None)
+    head = prepare_head(inputs, loss_config, prepass_logp=prepass, dtype=gemms_dtype)
+    switches = kernel_switches(loss_config, on_policy=head.old is None)
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
     loss, logp, entropy, clipped = _FusedLinearPolicyLoss.apply(
@@ -290,6 +290,12 @@ def fused_linear_policy_loss(
     else:
         ratio = (logp - head.old).exp()
     metrics = loss_metrics(
-        config, inputs, ratio=ratio, clipped=clipped, corr=head.corr, logp=logp, entropy=entropy
+        loss_config,
+        inputs,
+        ratio=ratio,
+        clipped=clipped,
+        corr=head.corr,
+        logp=logp,
+        entropy=entropy,
     )
     return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)

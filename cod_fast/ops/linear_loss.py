@@ -4,7 +4,7 @@ The `torch` implementation takes the chunked log-probs and differentiates the lo
 (`policy_loss_from_logp`); `cpp` and `triton` run the fused chunked driver, where the closed-form
 head turns each chunk's logits into gradients while they are at hand.
 
-Repeated rows. In a shared-prefix tree (cod_fast.prefix_tree) the members of a group that wrote
+Repeated rows. In a shared-prefix tree (cod_fast.data.prefix_tree) the members of a group that wrote
 the same response read the same hidden rows with the same targets, and each of them still needs
 its own loss term (its own advantage). Given `rows`, the tokens' indices into all rows of the
 micro-batch, each distinct (row, target) pair is scored once: its log-prob and entropy come from
@@ -12,11 +12,11 @@ the chunked log-prob kernels and are repeated per token, and autograd sums the t
 back onto the pair. That path streams the LM head four times per chunk (logits, then in the
 backward logits again, dh, dW) where the fused driver streams it three times, so it is taken when
 the distinct pairs are at most DEDUPE_SHARE of the tokens. Finding the distinct pairs on the
-device (torch.unique) waits for it; a caller that knows them (cod_fast.packing finds them on the
+device (torch.unique) waits for it; a caller that knows them (cod_fast.data.packing finds them on the
 host while it packs) passes them as `pairs`.
 
 Host syncs. With `num_segments`, `check_targets=False` and, for repeated rows, `pairs`, the loss
-and its backward never wait for the device (tests/test_host_syncs.py counts them).
+and its backward never wait for the device (tests/ops/test_host_syncs.py counts them).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def linear_policy_loss(
     ref_logp: torch.Tensor | None = None,
     teacher_logp: torch.Tensor | None = None,
     entropy_coef: torch.Tensor | None = None,
-    config: LossConfig,
+    loss_config: LossConfig,
     denominator: float | None = None,
     impl: str | None = None,
     rows: torch.Tensor | None = None,
@@ -112,7 +112,7 @@ def linear_policy_loss(
         hidden, targets, repeat = distinct_pairs(
             hidden, weight, targets, rows, DEDUPE_SHARE, pairs=pairs
         )
-    check_logprob_inputs(hidden, weight, targets, config.temperature, check_targets)
+    check_logprob_inputs(hidden, weight, targets, loss_config.temperature, check_targets)
     inputs = LossInputs(
         advantages,
         segment_ids,
@@ -130,20 +130,20 @@ def linear_policy_loss(
     if name != "torch" and repeat is None:
         kernels = row_kernels(name, dtype)
         return fused_linear_policy_loss(
-            kernels, hidden, weight, targets.long(), inputs, config=config
+            kernels, hidden, weight, targets.long(), inputs, loss_config=loss_config
         )
     logp, entropy = linear_logprobs(
         hidden,
         weight,
         targets,
-        temperature=config.temperature,
+        temperature=loss_config.temperature,
         return_entropy=True,
         impl=name,
         check_targets=False,  # checked above
     )
     if repeat is not None:
         logp, entropy = logp[repeat], entropy[repeat]
-    loss, metrics = policy_loss_from_logp(logp, inputs, config=config, entropy=entropy)
+    loss, metrics = policy_loss_from_logp(logp, inputs, loss_config=loss_config, entropy=entropy)
     return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
 
 

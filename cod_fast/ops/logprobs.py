@@ -71,7 +71,7 @@ def linear_logprobs(
     in hidden and weight; the [N, V] logits are never materialised. ``chunk_size`` overrides the
     number of rows per chunk (tests use it to exercise the chunk loop). ``check_targets=False``
     skips the check that every target lies in [0, V), for a caller that has made sure of it
-    (cod_fast.packing's micro-batches carry their largest target): the check reads the targets
+    (cod_fast.data.packing's micro-batches carry their largest target): the check reads the targets
     on the host, a device sync.
     """
     check_logprob_inputs(hidden, weight, targets, temperature, check_targets)

@@ -62,35 +62,39 @@ class HeadInputs:
         )
 
 
-def kernel_switches(config: LossConfig, on_policy: bool) -> dict:
+def kernel_switches(loss_config: LossConfig, on_policy: bool) -> dict:
     """The scalar arguments every row kernel's fused call takes."""
-    kl = config.kl if config.beta > 0 else None
+    kl = loss_config.kl if loss_config.beta > 0 else None
     return dict(
-        policy=POLICY_CODES[config.policy],
-        seq_level=int(config.ratio_level == "sequence"),
+        policy=POLICY_CODES[loss_config.policy],
+        seq_level=int(loss_config.ratio_level == "sequence"),
         on_policy=int(on_policy),
-        eps_low=config.eps_low,
-        eps_high=config.eps_high,
+        eps_low=loss_config.eps_low,
+        eps_high=loss_config.eps_high,
         kl=KL_CODES[kl],
-        beta=config.beta,
-        entropy_coef=config.entropy_coef,
-        opd_coef=config.opd_coef,
+        beta=loss_config.beta,
+        entropy_coef=loss_config.entropy_coef,
+        opd_coef=loss_config.opd_coef,
     )
 
 
-def _dpol_dratio(adv: torch.Tensor, ratio: torch.Tensor, config: LossConfig) -> torch.Tensor:
+def _dpol_dratio(adv: torch.Tensor, ratio: torch.Tensor, loss_config: LossConfig) -> torch.Tensor:
     """d(policy term)/d(ratio) for the policies whose term depends on the ratio (else 0)."""
-    if config.policy == "ppo":
-        clipped = -adv * ratio.clamp(1 - config.eps_low, 1 + config.eps_high) > -adv * ratio
+    if loss_config.policy == "ppo":
+        clipped = (
+            -adv * ratio.clamp(1 - loss_config.eps_low, 1 + loss_config.eps_high) > -adv * ratio
+        )
         return torch.where(clipped, 0.0, -adv)
-    if config.policy == "rec_one_side_is":
-        return -adv * one_side_keep(adv, ratio, config.eps_low, config.eps_high).to(adv.dtype)
+    if loss_config.policy == "rec_one_side_is":
+        return -adv * one_side_keep(adv, ratio, loss_config.eps_low, loss_config.eps_high).to(
+            adv.dtype
+        )
     return torch.zeros_like(adv)
 
 
 def prepare_head(
     inputs: LossInputs,
-    config: LossConfig,
+    loss_config: LossConfig,
     *,
     prepass_logp: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
@@ -99,23 +103,23 @@ def prepare_head(
 
     `prepass_logp` (the current log-probs, detached) is needed for sequence-level ratios only.
     """
-    tw = token_weights(inputs, config, dtype)
+    tw = token_weights(inputs, loss_config, dtype)
     head = HeadInputs(
         adv=inputs.advantages.to(dtype).contiguous(), corr=tw.corr, weight=tw.weight, old=tw.old
     )
-    if config.kl is not None and config.beta > 0:
-        ref = require(inputs.ref_logp, "ref_logp", f"KL penalty (beta={config.beta})")
+    if loss_config.kl is not None and loss_config.beta > 0:
+        ref = require(inputs.ref_logp, "ref_logp", f"KL penalty (beta={loss_config.beta})")
         head.ref = ref.detach().to(dtype).contiguous()
     if inputs.entropy_coef is not None:
         head.ent_coef = inputs.entropy_coef.detach().to(dtype).contiguous()
-    if config.policy == "opd":
+    if loss_config.policy == "opd":
         head.teach = require(inputs.teacher_logp, "teacher_logp", "policy 'opd'").detach().to(dtype)
-    if config.ratio_level == "sequence":
+    if loss_config.ratio_level == "sequence":
         if prepass_logp is None:
             raise ValueError("sequence-level ratios need the log-prob pre-pass (prepass_logp)")
         log_ratio = prepass_logp.to(dtype) - tw.old if tw.old is not None else 0 * head.adv
         head.seq_ratio = segment_mean(log_ratio, tw.seg, tw.counts).exp()
-        per_token = tw.corr * tw.weight * _dpol_dratio(head.adv, head.seq_ratio, config)
+        per_token = tw.corr * tw.weight * _dpol_dratio(head.adv, head.seq_ratio, loss_config)
         head.seq_grad = head.seq_ratio * segment_mean(per_token, tw.seg, tw.counts)
     return head
 

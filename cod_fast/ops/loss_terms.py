@@ -22,7 +22,7 @@ import torch
 from cod_fast.config import LossConfig
 
 # The integer codes of the `policy` and `kl` switches, as csrc/loss_head.h, the C++ wrapper and
-# the Triton kernels (kernels/rows.py) read them.
+# the Triton kernels (kernels/row_kernels.py) read them.
 POLICY_CODES = {"ppo": 0, "rec_one_side": 1, "rec_one_side_is": 2, "opd": 3}
 KL_CODES = {None: 0, "k1": 1, "k2": 2, "k3": 3}
 
@@ -52,7 +52,7 @@ class LossInputs:
     denominator: float | None = None
     """D of the whole optimizer step (see `aggregation_denominator`); None: this call's own."""
     num_segments: int | None = None
-    """The segment count when `segment_ids` are compact, 0..num_segments-1 (as cod_fast.packing
+    """The segment count when `segment_ids` are compact, 0..num_segments-1 (as cod_fast.data.packing
     writes them): segments are then counted on the device with no host sync. None: any ids,
     counted with torch.unique (which waits for the device)."""
     entropy_coef: torch.Tensor | None = None
@@ -72,12 +72,12 @@ class LossInputs:
 LOGP_FIELDS = ("old_logp", "rollout_logp", "ref_logp", "teacher_logp")
 
 
-def aggregation_denominator(config: LossConfig, num_tokens: int, num_segments: int) -> float:
+def aggregation_denominator(loss_config: LossConfig, num_tokens: int, num_segments: int) -> float:
     """D of the aggregation for a step holding `num_tokens` trainable tokens in `num_segments`."""
-    if config.agg == "token-mean":
+    if loss_config.agg == "token-mean":
         d = num_tokens
-    elif config.agg == "seq-mean-token-sum-norm":
-        d = num_segments * config.max_response_len
+    elif loss_config.agg == "seq-mean-token-sum-norm":
+        d = num_segments * loss_config.max_response_len
     else:
         d = num_segments
     return float(max(d, 1))  # an empty step has a zero numerator; avoid 0 / 0
@@ -144,38 +144,40 @@ def segment_index(inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def entropy_weight(
-    inputs: LossInputs, config: LossConfig, dtype: torch.dtype
+    inputs: LossInputs, loss_config: LossConfig, dtype: torch.dtype
 ) -> torch.Tensor | float | None:
     """alpha of the entropy bonus -alpha_t H_t: the per-token [N] weights when given, else the
     config's scalar; None when the bonus is off (so the entropy is not needed)."""
     if inputs.entropy_coef is not None:
         return inputs.entropy_coef.detach().to(dtype)
-    return config.entropy_coef if config.entropy_coef > 0 else None
+    return loss_config.entropy_coef if loss_config.entropy_coef > 0 else None
 
 
-def token_weights(inputs: LossInputs, config: LossConfig, dtype: torch.dtype) -> TokenWeights:
+def token_weights(inputs: LossInputs, loss_config: LossConfig, dtype: torch.dtype) -> TokenWeights:
     """Segments, aggregation weights and rollout correction (a no-op in bypass, old = roll)."""
     seg, counts = segment_index(inputs)
     n = inputs.advantages.shape[0]
     denominator = inputs.denominator
     if denominator is None:
-        denominator = aggregation_denominator(config, n, counts.shape[0])
+        denominator = aggregation_denominator(loss_config, n, counts.shape[0])
     weight = torch.full((n,), 1.0 / denominator, dtype=dtype, device=inputs.advantages.device)
-    if config.agg == "seq-mean-token-mean":
+    if loss_config.agg == "seq-mean-token-mean":
         weight = weight / counts[seg].to(dtype)
     old = None if inputs.old_logp is None else inputs.old_logp.detach().to(dtype)
     roll = None if inputs.rollout_logp is None else inputs.rollout_logp.detach().to(dtype)
     corr = torch.ones_like(weight)
-    if config.rollout_correction != "none" and old is not None:
-        roll = require(roll, "rollout_logp", f"rollout_correction {config.rollout_correction!r}")
+    if loss_config.rollout_correction != "none" and old is not None:
+        roll = require(
+            roll, "rollout_logp", f"rollout_correction {loss_config.rollout_correction!r}"
+        )
         behaviour = old - roll
-        if config.rollout_correction == "tis":
-            corr = behaviour.exp().clamp(max=config.tis_cap)
+        if loss_config.rollout_correction == "tis":
+            corr = behaviour.exp().clamp(max=loss_config.tis_cap)
         else:
-            if config.rollout_correction == "mis_sequence":
+            if loss_config.rollout_correction == "mis_sequence":
                 behaviour = segment_mean(behaviour, seg, counts)
             r = behaviour.exp()
-            corr = ((r >= config.mis_low) & (r <= config.mis_high)).to(dtype)
+            corr = ((r >= loss_config.mis_low) & (r <= loss_config.mis_high)).to(dtype)
     return TokenWeights(
         seg=seg, counts=counts, weight=weight, corr=corr, old=old if old is not None else roll
     )
@@ -186,7 +188,7 @@ SAMPLER_GAP = "sampler_gap"
 
 
 def sampler_gap_metrics(
-    config: LossConfig, logp: torch.Tensor, roll: torch.Tensor
+    loss_config: LossConfig, logp: torch.Tensor, roll: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs are from the trainer's: mean and max |logp - roll| over
     the tokens, and the fraction whose ratio exp(logp - roll) lies outside the MIS bounds. Before
@@ -194,7 +196,7 @@ def sampler_gap_metrics(
     mismatch between sampler and trainer that TIS and MIS exist for."""
     log_ratio = logp.detach().float() - roll.float()
     gap, ratio = log_ratio.abs(), log_ratio.exp()
-    outside = (ratio < config.mis_low) | (ratio > config.mis_high)
+    outside = (ratio < loss_config.mis_low) | (ratio > loss_config.mis_high)
     return {
         f"{SAMPLER_GAP}_mean": mean_or_zero(gap),
         f"{SAMPLER_GAP}_max": gap.max() if gap.numel() else mean_or_zero(gap),
@@ -203,7 +205,7 @@ def sampler_gap_metrics(
 
 
 def loss_metrics(
-    config: LossConfig,
+    loss_config: LossConfig,
     inputs: LossInputs,
     *,
     ratio: torch.Tensor,
@@ -221,15 +223,15 @@ def loss_metrics(
         "ratio_min": r.min().float() if r.numel() else mean_or_zero(r),
         "ratio_max": r.max().float() if r.numel() else mean_or_zero(r),
     }
-    if config.rollout_correction == "tis":
+    if loss_config.rollout_correction == "tis":
         metrics["tis_weight_mean"] = mean_or_zero(corr)
-    elif config.rollout_correction != "none":
+    elif loss_config.rollout_correction != "none":
         metrics["mis_drop_frac"] = mean_or_zero(corr == 0)
     if inputs.ref_logp is not None:
         ref = inputs.ref_logp.to(logp.dtype)
-        metrics["kl"] = mean_or_zero(kl_penalty(logp.detach(), ref, config.kl or "k3"))
+        metrics["kl"] = mean_or_zero(kl_penalty(logp.detach(), ref, loss_config.kl or "k3"))
     if entropy is not None:
         metrics["entropy"] = mean_or_zero(entropy.detach())
     if inputs.rollout_logp is not None:
-        metrics.update(sampler_gap_metrics(config, logp, inputs.rollout_logp))
+        metrics.update(sampler_gap_metrics(loss_config, logp, inputs.rollout_logp))
     return metrics

@@ -2,7 +2,7 @@
 
 `varlen_attention(q, k, v, cu_q, cu_k, kv_index, scale, impl=None)`: q [T, Hq, d], k and v
 [Tk, Hkv, d]; block b holds queries cu_q[b]..cu_q[b+1] and keys cu_k[b]..cu_k[b+1], or, in the
-shared-prefix layout (cod_fast.prefix_tree), the key rows kv_index[cu_k[b]..cu_k[b+1]]. A block
+shared-prefix layout (cod_fast.data.prefix_tree), the key rows kv_index[cu_k[b]..cu_k[b+1]]. A block
 with more keys than queries (a node after its shared prefix) is causal aligned at the end, as
 flash-attention's varlen: query t sees keys j <= lk - lq + t. Hq is a multiple of Hkv.
 

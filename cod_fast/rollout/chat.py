@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cod_fast.bounded_read import ReadRefused, read_bounded
+from cod_fast.common.bounded_read import ReadRefused, read_bounded
 from cod_fast.config import ConfigError, ModelConfig, clipped, shown
 from cod_fast.rollout.chat_template import MAX_TEMPLATE_CHARS, ChatTemplate, RenderLimit
 

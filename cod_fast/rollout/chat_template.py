@@ -17,12 +17,13 @@ so a template renders the same text, within these bounds:
   text than they are given (`*`, `**`, `+`, `%` and `~`, on text and on bytes; the joins of a
   block's output; `str.format`; the padding, joining, replacing, wrapping and formatting filters
   and methods of strings and bytes; `str.encode`, `bytes.decode` and `bytes.hex`;
-  `int.to_bytes`) are sized from their arguments before they run, and every value a filter, a
-  call or an output turns into text is measured first (`_text_size`, which stops counting past
-  the cap), so a list holding the same megabyte string a thousand times is refused, not printed;
+  `int.to_bytes`) are sized from their arguments before they run
+  (cod_fast.rollout.template_sizes), and every value a filter, a call or an output turns into
+  text is measured first (`text_size`, which stops counting past the cap), so a list holding
+  the same megabyte string a thousand times is refused, not printed;
 - all it makes together is at most MAX_RENDER_CHARS (16,777,216) characters: each value made
   by an operator, `~`, a slice, a filter or a call, each block's join and each output is
-  measured as it is made (`_text_size`) and counted, whether or not it is still held (a
+  measured as it is made (`text_size`) and counted, whether or not it is still held (a
   macro's text once, where its block is joined). Counting what is made, not what is held, is
   cheap and conservative: without it, 2,000 `{% set %}` statements of a megabyte each held
   2.5 GB.
@@ -43,12 +44,9 @@ of short ones (the worst found: about 300 MB, lists of one-letter words outside 
 from __future__ import annotations
 
 import functools
-import inspect
 import json
-import re
-import string
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, MappingView
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -60,13 +58,23 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.filters import do_join, do_sum, make_attrgetter
 from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
+
+from cod_fast.rollout.template_sizes import (
+    FILTER_SIZES,
+    MAX_TEXT_CHARS,
+    METHOD_SIZES,
+    as_int,
+    call_arguments,
+    format_size,
+    joined_size,
+    percent_size,
+    signature_after_context,
+    text_size,
+    total_size,
+)
 
 MAX_TEMPLATE_CHARS = 2**18
 """The longest template compiled: real ones are 1-20 KB."""
-MAX_TEXT_CHARS = 2**20
-"""The longest text a render may build or output: cod-fast renders sentinel messages of a few
-dozen characters, so real renders stay below a few KB."""
 MAX_RENDER_CHARS = 16 * MAX_TEXT_CHARS
 """The most text one render may make, all its values together, held or not: real renders make
 a few KB."""
@@ -98,202 +106,9 @@ class _Budget:
     written: int = 0
     """The characters of every output so far, a block's included (kept until it is joined)."""
     made: int = 0
-    """The size of every value made so far (`_text_size`), against MAX_RENDER_CHARS."""
+    """The size of every value made so far (`text_size`), against MAX_RENDER_CHARS."""
     depth: int = 0
     """How many calls are under way, one inside another."""
-
-
-def _text_size(value: Any, limit: int = MAX_TEXT_CHARS) -> int:
-    """The length of `value` as text (`str`, or a container's repr, in which each element costs
-    at least its own length), found without building it; counting stops once past `limit`."""
-    if isinstance(value, str):
-        return len(value)
-    size, pending = 0, [value]
-    while pending and size <= limit:
-        item = pending.pop()
-        # The common kinds first, abstract ones (slower to check) last: a render's values
-        # are all measured.
-        if isinstance(item, str):
-            size += len(item) + 2
-        elif isinstance(item, int):  # without printing it: Python refuses to past 4300 digits
-            size += item.bit_length() // 3 + 2
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            size += 2 + 2 * len(item)
-            pending.extend(item)
-        elif isinstance(item, (bytes, bytearray)):  # repr: bytearray(b'\x00...')
-            size += 4 * len(item) + 14
-        elif isinstance(item, Mapping):
-            size += 2 + 4 * len(item)
-            pending.extend(item.keys())
-            pending.extend(item.values())
-        elif isinstance(item, MappingView):
-            size += 2 + 2 * len(item)
-            pending.extend(item)
-        elif isinstance(item, Namespace):  # its repr shows what it holds
-            pending.append(getattr(item, "_Namespace__attrs", {}))
-            size += 13
-        else:  # numbers, None, undefined values and the runtime's objects, whose text is short
-            size += len(str(item)) + 1
-    return size
-
-
-def _length(value: Any) -> int:
-    """The length of a text or bytes argument as a method reads it (else its text size)."""
-    return len(value) if isinstance(value, (str, bytes, bytearray)) else _text_size(value)
-
-
-def _total_size(values: Iterable[Any]) -> int:
-    """The summed `_text_size` of `values`, counted up to just past the cap."""
-    total = 0
-    for value in values:
-        total += _text_size(value, MAX_TEXT_CHARS - total)
-        if total > MAX_TEXT_CHARS:
-            break
-    return total
-
-
-def _int(value: Any) -> int:
-    """A width or count argument as a number (0 for anything else: the call then fails itself)."""
-    return value if isinstance(value, int) else 0
-
-
-def _occurrences(text: Any, old: Any, count: Any) -> int:
-    """The most replacements `text.replace(old, new, count)` can make."""
-    most = len(text) + 1 if not old else len(text) // max(_length(old), 1)
-    return min(most, count) if isinstance(count, int) and count >= 0 else most
-
-
-_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?.", re.S)
-
-
-def _widths(digits: Iterable[str], values: list[Any], starred: bool) -> int:
-    """The widest field of a format: the widths and precisions written in it, and any integer
-    argument where a field takes its width from the arguments (`*`, `{:{}}`)."""
-    written = [int(d[:12]) for d in digits if d.isdigit()]
-    given = [abs(v) for v in values if isinstance(v, int)] if starred else []
-    return max(written + given, default=0)
-
-
-def _formatted_size(fmt: str, fields: int, widths: int, values: list[Any]) -> int:
-    """An upper bound of a format's output: its text, and each field as wide as the widest
-    width or the whole of the arguments."""
-    return len(fmt) + fields * (widths + _total_size(values))
-
-
-def _percent_size(fmt: str, args: Any) -> int:
-    """The size of `fmt % args` (the `%` operator and the `format` filter), before it runs."""
-    if isinstance(args, Mapping):
-        values = list(args.values())
-    else:
-        values = list(args) if isinstance(args, tuple) else [args]
-    specs = _PERCENT_FIELD.findall(fmt)
-    digits = [d for spec in specs for d in spec]
-    widths = _widths(digits, values, "*" in digits)
-    return _formatted_size(fmt, len(specs), widths, values)
-
-
-def _format_size(fmt: str, values: list[Any]) -> int:
-    """The size of `fmt.format(*values)`, before it runs."""
-    fields, digits, nested = 0, [], False
-    for _, field, spec, _ in string.Formatter().parse(fmt):
-        if field is not None:
-            fields += 1
-            digits += re.findall(r"\d+", spec or "")
-            nested = nested or "{" in (spec or "")
-    return _formatted_size(fmt, fields, _widths(digits, values, nested), values)
-
-
-def _joined_size(separator: Any, items: list[Any]) -> int:
-    """The length of `separator.join(items)`: the items as text, a separator between two."""
-    return _total_size(items) + _length(separator) * max(len(items) - 1, 0)
-
-
-def _encoded_size(text: str, args: dict[str, Any]) -> int:
-    """The most bytes `text.encode(encoding, errors)` makes: a byte a character for ASCII in
-    UTF-8, four for other text in strict UTF-8, 92 with namereplace (`\\N{...}` and the longest
-    name), 16 otherwise (the most measured is 10: `\\U0010ffff` in unicode_escape); and a BOM."""
-    utf8 = str(args["encoding"]).lower().replace("_", "-") in ("utf-8", "utf8")
-    if utf8 and text.isascii():
-        per = 1
-    elif args["errors"] == "namereplace":
-        per = 92
-    else:
-        per = 4 if utf8 and args["errors"] == "strict" else 16
-    return per * len(text) + 16
-
-
-def _translated_size(text: Any, table: Any) -> int:
-    """The most `text.translate(table)` can return: each character as long as the longest
-    text the table maps one to."""
-    longest = max(map(_text_size, table.values()), default=1) if isinstance(table, Mapping) else 1
-    return len(text) * longest
-
-
-def _padded_size(text: Any, args: dict[str, Any]) -> int:
-    """The length of `text` padded to `width` (center, ljust, rjust, zfill)."""
-    return max(len(text), _int(args["width"]))
-
-
-_METHOD_SIZES: dict[str, Callable[[Any, dict[str, Any]], int]] = {
-    **dict.fromkeys(("center", "ljust", "rjust", "zfill"), _padded_size),
-    "expandtabs": lambda s, a: (
-        len(s) + s.count("\t" if isinstance(s, str) else b"\t") * _int(a["tabsize"])
-    ),
-    "replace": lambda s, a: len(s) + _occurrences(s, a["old"], a["count"]) * _length(a["new"]),
-    "join": lambda s, a: _joined_size(s, *a.values()),  # `iterable`, or `iterable_of_bytes`
-    "translate": lambda s, a: _translated_size(s, a["table"]),
-    "encode": _encoded_size,
-    "decode": lambda b, a: len(b) * (4 if a["errors"] == "backslashreplace" else 1),
-    "hex": lambda b, a: 3 * len(b),  # with a separator between two bytes
-    "to_bytes": lambda n, a: _int(a["length"]),
-}
-"""For the methods of strings, bytes and integers that can return more than they are given: the
-size of their result from their arguments (by name, as `inspect.signature` binds them)."""
-
-
-def _arguments(
-    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> dict[str, Any] | None:
-    """The arguments of `f(*args, **kwargs)` by name, defaults included: None where they do not
-    bind (the call then fails itself), none for a method without a signature (`bytes.hex`)."""
-    try:
-        signature = inspect.signature(f)
-    except ValueError:
-        return {}
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
-        return None
-    bound.apply_defaults()
-    return bound.arguments
-
-
-_FILTER_SIZES: dict[str, Callable[[dict[str, Any]], int]] = {
-    "center": lambda a: max(_text_size(a["value"]), _int(a["width"])),
-    "indent": lambda a: (
-        _text_size(a["s"])
-        + (str(a["s"]).count("\n") + 1) * (_int(a["width"]) or _text_size(a["width"]))
-    ),
-    "wordwrap": lambda a: _text_size(a["s"]) * (1 + _text_size(a["wrapstring"] or "\n")),
-    "format": lambda a: _percent_size(str(a["value"]), a["kwargs"] or a["args"]),
-    "replace": lambda a: (
-        _text_size(a["s"]) + _occurrences(str(a["s"]), a["old"], a["count"]) * _text_size(a["new"])
-    ),
-    "batch": lambda a: _int(a["linecount"]),
-    "slice": lambda a: _int(a["slices"]),
-}
-"""For the filters that can return more than they are given: the size of their result (items,
-for `batch` and `slice`, which pad to their count) from their arguments, by name."""
-
-
-def _signature_after_context(f: Callable[..., Any]) -> inspect.Signature:
-    """The parameters of the filter `f` after the context Jinja passes it first, if any (the
-    async-ready filters show the signature of their synchronous version, without it)."""
-    signature = inspect.signature(f)
-    first, *rest = signature.parameters.values()
-    if first.name in ("context", "eval_ctx", "environment"):
-        return signature.replace(parameters=rest)
-    return signature
 
 
 def _raise_exception(message: str) -> None:
@@ -378,7 +193,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def made(self, value: Any) -> Any:
         """`value`, which the render has just made, counted against MAX_RENDER_CHARS."""
         if self.budget is not None:
-            self._charge(_text_size(value, MAX_RENDER_CHARS - self.budget.made))
+            self._charge(text_size(value, MAX_RENDER_CHARS - self.budget.made))
         return value
 
     def _charge(self, size: int) -> None:
@@ -426,7 +241,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         together, wherever they go, are at most MAX_TEXT_CHARS (a block holds its outputs
         until it ends, and Jinja does not show them to the sandbox before)."""
         self.step()
-        size = _text_size(value)
+        size = text_size(value)
         if self.budget is not None:
             self.budget.written += size
             self._charge(size)
@@ -445,7 +260,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def joined(self, join: Callable[[Iterable[Any]], str], parts: tuple[Any, ...]) -> str:
         """`a ~ b ~ ...`, sized before `join` (Jinja's) builds it."""
         self.step()
-        size = _total_size(parts)
+        size = total_size(parts)
         self.fits(size, "a joined text (~)")
         self._charge(size)
         return join(parts)
@@ -458,15 +273,15 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         elif operator == "*" and (isinstance(left, int) or isinstance(right, int)):
             times, text = (left, right) if isinstance(left, int) else (right, left)
             if isinstance(text, (str, bytes, bytearray, list, tuple)):
-                self.fits(_text_size(text) * max(times, 0), f"the product of {operator}")
+                self.fits(text_size(text) * max(times, 0), f"the product of {operator}")
         elif operator == "**" and ints and right > 0 and abs(left) > 1:
             self._int_fits(left.bit_length() * right)
         elif operator == "+" and not ints:
-            self.fits(_total_size((left, right)), "a sum (+)")
+            self.fits(total_size((left, right)), "a sum (+)")
         elif operator == "%" and isinstance(left, (str, bytes, bytearray)):
             # Bytes take the same fields; read as Latin-1, each byte is one character.
             fmt = left if isinstance(left, str) else left.decode("latin-1")
-            self.fits(_percent_size(fmt, right), "a formatted text (%)")
+            self.fits(percent_size(fmt, right), "a formatted text (%)")
         return self.made(super().call_binop(context, operator, left, right))
 
     def _int_fits(self, bits: int) -> None:
@@ -484,14 +299,14 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         self.step()
         for value in (*args, *kwargs.values()):
-            self.fits(_text_size(value), "a value given to a call")
+            self.fits(text_size(value), "a value given to a call")
         owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
-        if isinstance(owner, (str, bytes, bytearray, int)) and name in _METHOD_SIZES:
+        if isinstance(owner, (str, bytes, bytearray, int)) and name in METHOD_SIZES:
             if name == "join" and args:  # counted, then joined: a generator is read once
                 args = (list(args[0]), *args[1:])
-            arguments = _arguments(obj, args, kwargs)
+            arguments = call_arguments(obj, args, kwargs)
             if arguments is not None:
-                self.fits(_METHOD_SIZES[name](owner, arguments), f"the result of .{name}()")
+                self.fits(METHOD_SIZES[name](owner, arguments), f"the result of .{name}()")
         if isinstance(obj, LoopContext) and args:  # a recursive loop's next level
             args = (self._stepped(args[0]), *args[1:])
         budget = self.budget
@@ -515,7 +330,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
         def sized(*args: Any, **kwargs: Any) -> str:
             given = args[0] if by_name and args and isinstance(args[0], Mapping) else kwargs
-            self.fits(_format_size(fmt, [*args, *given.values()]), "a formatted text")
+            self.fits(format_size(fmt, [*args, *given.values()]), "a formatted text")
             return format_call(*args, **kwargs)
 
         return sized
@@ -524,14 +339,14 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         """The filter `f` with a step counted, its arguments measured, and for one that can
         return more than it is given, its result sized from its arguments, before it runs."""
         passes = int(getattr(f, "jinja_pass_arg", None) is not None)  # a context comes first
-        size = _FILTER_SIZES.get(name)
-        signature = _signature_after_context(f) if size else None
+        size = FILTER_SIZES.get(name)
+        signature = signature_after_context(f) if size else None
 
         @functools.wraps(f)
         def sized(*args: Any, **kwargs: Any) -> Any:
             self.step()
             for value in (*args[passes:], *kwargs.values()):
-                self.fits(_text_size(value), f"a value given to the filter {name}")
+                self.fits(text_size(value), f"a value given to the filter {name}")
             if size and signature:
                 try:
                     bound = signature.bind(*args[passes:], **kwargs)
@@ -557,7 +372,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     ) -> str:
         """transformers' `tojson` (json.dumps, HTML left unescaped), sized as it is written:
         indentation makes it longer than the value's own text."""
-        self.fits(_int(indent), "the indent of tojson")
+        self.fits(as_int(indent), "the indent of tojson")
         encoder = json.JSONEncoder(
             ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
@@ -574,7 +389,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         items = list(value)
         if attribute is not None:
             items = list(map(make_attrgetter(self, attribute), items))
-        self.fits(_joined_size(d, items), "a joined text")
+        self.fits(joined_size(d, items), "a joined text")
         return do_join(eval_ctx, items, d)
 
     @pass_environment
@@ -583,7 +398,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     ):
         """Jinja's `sum`, its items read and sized first: summing lists concatenates them."""
         items = list(iterable)
-        self.fits(_text_size(items), "the items of the filter sum")
+        self.fits(text_size(items), "the items of the filter sum")
         return do_sum(environment, items, attribute, start)
 
 

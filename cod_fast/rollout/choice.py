@@ -16,13 +16,13 @@ import copy
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from cod_fast.common.safe_write import fresh_folder
 from cod_fast.config import Config
-from cod_fast.distributed import DistContext, barrier
-from cod_fast.model import BUILTIN_TINY, resolve_dtype
+from cod_fast.dist.context import DistContext, barrier
+from cod_fast.model.loading import BUILTIN_TINY, resolve_dtype
+from cod_fast.rollout.sampler import Sampler
 from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem, head_dim
-from cod_fast.safe_write import fresh_folder
 
 CPU_AUTO = "torch"
 CPU_REASON = (
@@ -69,9 +69,9 @@ class RunSamplers:
     kind: str
     reason: str
     """Why `kind` (choose_sampler), for the run's log."""
-    train: Any
+    train: Sampler
     """The training stream; its seed differs per rank."""
-    eval: Any
+    eval: Sampler
     """The evaluation stream: the run's fixed eval seed and temperature."""
     owns_weights: bool
     """The samplers hold their own copy of the weights: push the policy's after every update."""

@@ -1,27 +1,29 @@
 """The interleaved rollout driver (docs/concepts.md sections 1-2): P packs x G members at once.
 
-Each (pack, member) run alternates a solve-task episode (one or more turns: a response, then the
+Each (pack, member) play alternates a solve-task episode (one or more turns: a response, then the
 environment's observation) and an update-context episode (one response whose hint block replaces
 the hints), K solve and K-1 update episodes per pack; in `task_by_task` mode there are no update
 episodes and every task starts from `Hints: null`. For evaluation the hints between tasks may
 come from elsewhere (`DriverSettings.hint_source`: the hidden rule, the scripted explorer's
 reading of the model's own moves, or none), and then no update episode is sampled; an update
 episode of an environment that declares its hint entries records how its hints score against
-the hidden rule (`hint_check`, cod_fast.diagnostics). Every driver step gathers the next prompt of
-every live run and makes ONE batched sampler call, then steps the environments. Token ids are
+the hidden rule (`hint_check`, cod_fast.data.diagnostics). Every driver step gathers the next prompt of
+every live play and makes ONE batched sampler call, then steps the environments. Token ids are
 kept exactly as sampled; later turns of an episode append to them (see cod_fast.rollout.chat).
 
 A failure stays with its own episode: a response cut at the length limit is recorded with its
 finish reason (and usually fails to parse, which the environment scores); an environment that
-raises, or outlasts `env_timeout_s`, ends that solve episode with reward `error_reward` and the
-error in `Episode.info` (a NaN or infinite reward counts as such an error); the other runs go
-on. On the main thread (the normal case) a SIGALRM timer stops an environment call that
-outlasts its timeout, even one stuck in a regular expression, which holds the GIL and which no
-other thread could interrupt; elsewhere the call runs on a worker thread that is abandoned.
+raises, or outlasts `rollout.env_timeout_s`, ends that solve episode with reward
+`rollout.env_error_reward` and the error in `Episode.info` (a NaN or infinite reward counts as
+such an error); the other plays go on. On the main thread (the normal case) a SIGALRM timer
+stops an environment call that outlasts its timeout, even one stuck in a regular expression,
+which holds the GIL and which no other thread could interrupt; elsewhere the call runs on a
+worker thread that is abandoned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import queue
 import signal
@@ -31,11 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cod_fast.config import Config
-from cod_fast.diagnostics import hint_check
+from cod_fast.config import Config, RolloutConfig
+from cod_fast.data.diagnostics import hint_check
+from cod_fast.data.records import Episode, Rollout, Turn
 from cod_fast.envs.base import Environment, Task, derive_seed
 from cod_fast.envs.packs import PackSpec
-from cod_fast.records import Episode, Rollout, Turn
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.hints import context_line, parse_hints
 from cod_fast.rollout.prompts import PROMPT_STYLES, Trajectory
@@ -43,8 +45,8 @@ from cod_fast.rollout.sampler import Sample, Sampler
 
 
 class _EnvTimeout(BaseException):
-    """An environment call outlasted DriverSettings.env_timeout_s. A BaseException because the
-    alarm raises it inside the environment's code, whose `except Exception` must not swallow it."""
+    """An environment call outlasted `rollout.env_timeout_s`. A BaseException because the alarm
+    raises it inside the environment's code, whose `except Exception` must not swallow it."""
 
 
 def _expire(signum, frame):
@@ -125,32 +127,15 @@ HintSource = Literal["own", "oracle", "explorer", "none"]
 HINT_SOURCES = ("own", "oracle", "explorer", "none")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DriverSettings:
-    max_response_tokens: int = 512
-    max_hint_tokens: int = 256
-    min_hint_chars: int = 1
-    hint_penalty: float = 0.1
+    """What the driver plays by: a run's rollout section, the mode and the hint source."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The caps, penalties, environment error reward and timeout, prompt style and judge
+    (cod_fast.config.RolloutConfig)."""
     mode: Literal["cod", "task_by_task"] = "cod"
-    error_reward: float = 0.0
-    """Reward of a solve episode whose environment raised or timed out."""
-    env_timeout_s: float | None = None
-    """Stop an environment call after this long (None: wait); the episode ends as an error. On
-    the main thread a SIGALRM timer interrupts the call itself; on any other thread the call
-    runs on a worker thread that is abandoned, still running, since Python cannot stop it."""
-    length_penalty: float = 0.0
-    """Subtracted from the reward of an episode with a response cut at the length limit."""
-    prompt_style: Literal["full", "compact"] = "full"
-    """The wording of the prompts (cod_fast.rollout.prompts); `compact` suits tiny models."""
-    judge: str = "rule"
-    """Who scores the environments that ask for a judge (`Task.judge_query`; cod_fast.judges):
-    `rule`, a model folder, or an OpenAI-compatible endpoint's URL."""
-    judge_model: str | None = None
-    """The model name an endpoint judge is asked for."""
-    judge_timeout_s: float = 30.0
-    """How long one endpoint judge request may take."""
-    judge_max_tokens: int = 64
-    """The longest verdict a model or endpoint judge may write."""
+    """`task_by_task`: no update episodes, every task starts from `Hints: null`."""
     hint_source: HintSource = "own"
     """Where the hints before each task k > 0 come from (`cod` mode): `own`, the model's update
     episodes; `oracle`, the hidden rule in the environment's hint format; `explorer`, what the
@@ -162,26 +147,17 @@ class DriverSettings:
         """The one way a run's config becomes driver settings (training, evaluation, export and
         `cod-fast eval` of an exported run all use it): the rollout section, and the mode from
         the algorithm."""
-        rollout = cfg.rollout
-        return cls(
-            max_response_tokens=rollout.max_response_tokens,
-            max_hint_tokens=rollout.max_hint_tokens,
-            min_hint_chars=rollout.min_hint_chars,
-            hint_penalty=rollout.hint_penalty,
-            mode="task_by_task" if cfg.algo.algorithm == "task_by_task" else "cod",
-            error_reward=rollout.env_error_reward,
-            env_timeout_s=rollout.env_timeout_s,
-            length_penalty=rollout.length_penalty,
-            prompt_style=rollout.prompt_style,
-            judge=rollout.judge,
-            judge_model=rollout.judge_model,
-            judge_timeout_s=rollout.judge_timeout_s,
-            judge_max_tokens=rollout.judge_max_tokens,
-        )
+        mode = "task_by_task" if cfg.algo.algorithm == "task_by_task" else "cod"
+        return cls(rollout=cfg.rollout, mode=mode)
+
+    def with_rollout(self, **changes) -> DriverSettings:
+        """These settings with `changes` to their rollout section (checked as the config checks
+        them)."""
+        return dataclasses.replace(self, rollout=dataclasses.replace(self.rollout, **changes))
 
 
 @dataclass
-class RunState:
+class MemberPlay:
     """One group member's way through one pack."""
 
     spec: PackSpec
@@ -237,16 +213,16 @@ class RolloutDriver:
         self.envs = {e.name: e for e in envs}
         self.env = envs[0]
         self.sampler, self.chat, self.settings = sampler, chat, settings
-        self.prompts = PROMPT_STYLES[settings.prompt_style]
+        self.prompts = PROMPT_STYLES[settings.rollout.prompt_style]
         self._worker = _EnvWorker()
         check_hint_source(settings, envs)
-        from cod_fast.judges import make_judge  # a model judge imports the sampler
+        from cod_fast.rollout.judge_clients import make_judge  # a model judge imports the sampler
 
         self.judge = make_judge(
-            settings.judge,
-            model=settings.judge_model,
-            timeout_s=settings.judge_timeout_s,
-            max_tokens=settings.judge_max_tokens,
+            settings.rollout.judge,
+            model=settings.rollout.judge_model,
+            timeout_s=settings.rollout.judge_timeout_s,
+            max_tokens=settings.rollout.judge_max_tokens,
         )
 
     def env_of(self, spec: PackSpec) -> Environment:
@@ -276,96 +252,98 @@ class RolloutDriver:
         the same whatever other packs share its sampler calls (evaluation split over ranks).
         `on_progress(done, total)` hears after every batched sampler call how many of the
         solve episodes (tasks x members) are finished."""
-        runs = [RunState(spec=spec, member=g) for spec in packs for g in range(group_size)]
-        total = sum(len(run.spec.task_indices) for run in runs)
+        plays = [MemberPlay(spec=spec, member=g) for spec in packs for g in range(group_size)]
+        total = sum(len(play.spec.task_indices) for play in plays)
         try:
-            for run in runs:
-                self._start_solve(run)
-            while live := [run for run in runs if run.phase != "done"]:
-                for run, sample in zip(live, self._sample(live, keyed), strict=True):
-                    self._advance(run, sample)
+            for play in plays:
+                self._start_solve(play)
+            while live := [play for play in plays if play.phase != "done"]:
+                for play, sample in zip(live, self._sample(live, keyed), strict=True):
+                    self._advance(play, sample)
                 if on_progress is not None:
-                    on_progress(sum(run.solved for run in runs), total)
+                    on_progress(sum(play.solved for play in plays), total)
         finally:
             self._worker.close()
         return [
             Rollout(
-                pack_id=run.spec.pack_id,
-                member=run.member,
-                env=self.env_of(run.spec).name,
-                episodes=run.episodes,
+                pack_id=play.spec.pack_id,
+                member=play.member,
+                env=self.env_of(play.spec).name,
+                episodes=play.episodes,
             )
-            for run in runs
+            for play in plays
         ]
 
-    def _sample(self, live: list[RunState], keyed: bool) -> list[Sample]:
-        """One batched sampler call for the next response of every live run."""
-        prompts = [run.prompt_ids for run in live]
-        caps = [self.settings.max_response_tokens] * len(live)
+    def _sample(self, live: list[MemberPlay], keyed: bool) -> list[Sample]:
+        """One batched sampler call for the next response of every live play."""
+        prompts = [play.prompt_ids for play in live]
+        caps = [self.settings.rollout.max_response_tokens] * len(live)
         if not keyed:
             return self.sampler.generate(prompts, caps)
         return self.sampler.generate(prompts, caps, keys=[self.response_key(r) for r in live])
 
-    def response_key(self, run: RunState) -> int:
-        """The sampling key of a run's next response: its environment, pack (seed and tasks),
+    def response_key(self, play: MemberPlay) -> int:
+        """The sampling key of a play's next response: its environment, pack (seed and tasks),
         member, position, episode kind and turn."""
-        spec = run.spec
+        spec = play.spec
         return derive_seed(
             "response",
             self.env_of(spec).name,
             spec.pack_seed,
             spec.task_indices,
-            run.member,
-            run.position,
-            run.phase,
-            len(run.turns),
+            play.member,
+            play.position,
+            play.phase,
+            len(play.turns),
         )
 
     # --- solve-task episodes -------------------------------------------------------------------
 
-    def _start_solve(self, run: RunState) -> None:
-        run.task = self.env_of(run.spec).task(
-            run.spec.pack_seed, run.spec.task_indices[run.position]
+    def _start_solve(self, play: MemberPlay) -> None:
+        play.task = self.env_of(play.spec).task(
+            play.spec.pack_seed, play.spec.task_indices[play.position]
         )
-        run.turns, run.steps, run.error = [], [], None
-        first = run.position == 0 or not self._carries_hints
-        run.shown_hints = None if first else run.hints
-        system = self.prompts.solve_system(run.task.prompt(), context_line(run.hints, first))
-        observation = self._safe(run, run.task.reset)
+        play.turns, play.steps, play.error = [], [], None
+        first = play.position == 0 or not self._carries_hints
+        play.shown_hints = None if first else play.hints
+        system = self.prompts.solve_system(play.task.prompt(), context_line(play.hints, first))
+        observation = self._safe(play, play.task.reset)
         # A task that failed to start still gets one response (so the episode has a turn, and
         # the group keeps its shape); the error ends it right after.
-        run.observation = observation if run.error is None else f"(environment error: {run.error})"
-        run.prompt_ids = self.chat.first_prompt(system, run.observation)
+        play.observation = (
+            observation if play.error is None else f"(environment error: {play.error})"
+        )
+        play.prompt_ids = self.chat.first_prompt(system, play.observation)
 
-    def _advance(self, run: RunState, sample: Sample) -> None:
-        run.turns.append(
+    def _advance(self, play: MemberPlay, sample: Sample) -> None:
+        play.turns.append(
             Turn(
-                prompt_ids=run.prompt_ids,
+                prompt_ids=play.prompt_ids,
                 response_ids=sample.token_ids,
                 response_logprobs=sample.logprobs,
                 finish_reason=sample.finish_reason,
             )
         )
-        if run.phase == "update":
-            self._end_update(run, sample)
+        if play.phase == "update":
+            self._end_update(play, sample)
             return
         action = self.chat.decode(sample.token_ids)
-        outcome = None if run.error else self._safe(run, lambda: run.task.step(action))
-        run.steps.append((run.observation, action))
-        if outcome is None or outcome.done or len(run.turns) >= run.task.max_steps:
-            self._end_solve(run)
+        outcome = None if play.error else self._safe(play, lambda: play.task.step(action))
+        play.steps.append((play.observation, action))
+        if outcome is None or outcome.done or len(play.turns) >= play.task.max_steps:
+            self._end_solve(play)
             return
-        run.observation = outcome.observation
-        run.prompt_ids = (
-            run.prompt_ids
+        play.observation = outcome.observation
+        play.prompt_ids = (
+            play.prompt_ids
             + sample.token_ids
             + self.chat.continuation(sample.token_ids, outcome.observation)
         )
 
-    def _safe(self, run: RunState, call):
+    def _safe(self, play: MemberPlay, call):
         """Call into the environment; an exception or a timeout ends this episode, not the
         rollout."""
-        timeout = self.settings.env_timeout_s
+        timeout = self.settings.rollout.env_timeout_s
         try:
             if timeout is None:
                 return call()
@@ -373,85 +351,85 @@ class RolloutDriver:
                 return _call_with_alarm(call, timeout)
             return self._worker.call(call, timeout)
         except _EnvTimeout:
-            run.error = f"TimeoutError: the environment took longer than {timeout} s"
+            play.error = f"TimeoutError: the environment took longer than {timeout} s"
         except Exception as exc:  # environment code is not ours to trust: record, go on
-            run.error = f"{type(exc).__name__}: {exc}"
+            play.error = f"{type(exc).__name__}: {exc}"
         return None
 
-    def _end_solve(self, run: RunState) -> None:
-        task = run.task
-        info = {"task": run.spec.task_indices[run.position], "success": task.success}
-        if run.error is None:
-            reward = self._scored(run, task, info)
-            if run.error is None and not math.isfinite(reward):
-                run.error = f"ValueError: the environment gave a non-finite reward {reward}"
-        if run.error is not None:
-            reward = self.settings.error_reward
-        if run.error:
-            info["error"] = run.error
-        run.episodes.append(self._episode(run, "solve", reward, info))
-        if run.position == len(run.spec.task_indices) - 1:
-            run.phase = "done"
+    def _end_solve(self, play: MemberPlay) -> None:
+        task = play.task
+        info = {"task": play.spec.task_indices[play.position], "success": task.success}
+        if play.error is None:
+            reward = self._scored(play, task, info)
+            if play.error is None and not math.isfinite(reward):
+                play.error = f"ValueError: the environment gave a non-finite reward {reward}"
+        if play.error is not None:
+            reward = self.settings.rollout.env_error_reward
+        if play.error:
+            info["error"] = play.error
+        play.episodes.append(self._episode(play, "solve", reward, info))
+        if play.position == len(play.spec.task_indices) - 1:
+            play.phase = "done"
             return
         if self._carries_hints:
-            feedback = run.error or self._safe(run, run.task.feedback) or ""
-            env = self.env_of(run.spec)
-            run.knowable = env.knowable_entries(run.knowable, run.task, run.steps, feedback)
+            feedback = play.error or self._safe(play, play.task.feedback) or ""
+            env = self.env_of(play.spec)
+            play.knowable = env.knowable_entries(play.knowable, play.task, play.steps, feedback)
             if self.settings.hint_source == "own":
-                self._start_update(run, reward, feedback)
+                self._start_update(play, reward, feedback)
                 return
-            run.hints = self._given_hints(run)
-        run.position += 1
-        self._start_solve(run)
+            play.hints = self._given_hints(play)
+        play.position += 1
+        self._start_solve(play)
 
-    def _scored(self, run: RunState, task: Task, info: dict) -> float | None:
-        """The finished task's reward: its own, or from the run's judge when the task asks for
+    def _scored(self, play: MemberPlay, task: Task, info: dict) -> float | None:
+        """The finished task's reward: its own, or from the driver's judge when the task asks for
         one (a flagged verdict marks the episode `malformed`). A judge that fails ends the
         episode as an environment error does (the judge keeps its own timeout: an endpoint or a
         model may take longer than an environment call is allowed)."""
-        query = self._safe(run, task.judge_query)
-        if run.error is not None or query is None:
-            return None if run.error else self._safe(run, lambda: float(task.reward))
+        query = self._safe(play, task.judge_query)
+        if play.error is not None or query is None:
+            return None if play.error else self._safe(play, lambda: float(task.reward))
         try:
             verdict = self.judge.score(query)
         except Exception as exc:  # a judge is a remote or a model: record, go on
-            run.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+            play.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
             return None
         if verdict.malformed:
             info["malformed"] = True
         if self.judge.name != "rule":
             info["judge"] = verdict.reason
-        return self._safe(run, lambda: float(task.judged_reward(verdict)))
+        return self._safe(play, lambda: float(task.judged_reward(verdict)))
 
     @property
     def _carries_hints(self) -> bool:
         """Whether a task's hints reach the next task (else every task reads `Hints: null`)."""
         return self.settings.mode == "cod" and self.settings.hint_source != "none"
 
-    def _given_hints(self, run: RunState) -> str:
+    def _given_hints(self, play: MemberPlay) -> str:
         """The hints an `oracle` or `explorer` hint source puts before the next task."""
-        env = self.env_of(run.spec)
+        env = self.env_of(play.spec)
         if self.settings.hint_source == "oracle":
-            return env.render_hints(env.hint_truth(run.spec.pack_seed))
-        return env.render_hints(run.knowable)
+            return env.render_hints(env.hint_truth(play.spec.pack_seed))
+        return env.render_hints(play.knowable)
 
     # --- update-context episodes ---------------------------------------------------------------
 
-    def _start_update(self, run: RunState, reward: float, feedback: str) -> None:
+    def _start_update(self, play: MemberPlay, reward: float, feedback: str) -> None:
         traj = Trajectory(
-            task_prompt=run.task.prompt(),
-            steps=run.steps,
+            task_prompt=play.task.prompt(),
+            steps=play.steps,
             feedback=feedback,
-            reward=reward if self.env_of(run.spec).reveals_reward else None,
+            reward=reward if self.env_of(play.spec).reveals_reward else None,
         )
-        context = context_line(run.hints, run.position == 0)
-        run.prompt_ids = self.chat.first_prompt(
+        context = context_line(play.hints, play.position == 0)
+        play.prompt_ids = self.chat.first_prompt(
             self.prompts.update_system, self.prompts.update_user(context, traj)
         )
-        run.turns, run.phase = [], "update"
+        play.turns, play.phase = [], "update"
 
-    def _end_update(self, run: RunState, sample: Sample) -> None:
-        s = self.settings
+    def _end_update(self, play: MemberPlay, sample: Sample) -> None:
+        s = self.settings.rollout
         parsed = parse_hints(
             self.chat.decode(sample.token_ids),
             min_chars=s.min_hint_chars,
@@ -460,26 +438,26 @@ class RolloutDriver:
             truncate=self.chat.truncate,
         )
         info = {"hints": parsed.text, "truncated": parsed.truncated}
-        env = self.env_of(run.spec)
-        if (truth := env.hint_truth(run.spec.pack_seed)) is not None:
-            info["hint_check"] = hint_check(truth, env.hint_entries(parsed.text), run.knowable)
-        run.episodes.append(self._episode(run, "update", parsed.reward, info))
-        run.hints = parsed.text
-        run.position += 1
-        run.phase = "solve"
-        self._start_solve(run)
+        env = self.env_of(play.spec)
+        if (truth := env.hint_truth(play.spec.pack_seed)) is not None:
+            info["hint_check"] = hint_check(truth, env.hint_entries(parsed.text), play.knowable)
+        play.episodes.append(self._episode(play, "update", parsed.reward, info))
+        play.hints = parsed.text
+        play.position += 1
+        play.phase = "solve"
+        self._start_solve(play)
 
-    def _episode(self, run: RunState, kind: str, reward: float, info: dict) -> Episode:
-        if any(turn.finish_reason == "length" for turn in run.turns):
-            reward -= self.settings.length_penalty
+    def _episode(self, play: MemberPlay, kind: str, reward: float, info: dict) -> Episode:
+        if any(turn.finish_reason == "length" for turn in play.turns):
+            reward -= self.settings.rollout.length_penalty
             info["cut"] = True
         return Episode(
-            pack_id=run.spec.pack_id,
-            member=run.member,
+            pack_id=play.spec.pack_id,
+            member=play.member,
             kind=kind,
-            task_index=run.position,
-            turns=run.turns,
+            task_index=play.position,
+            turns=play.turns,
             reward=reward,
-            env=self.env_of(run.spec).name,
+            env=self.env_of(play.spec).name,
             info=info,
         )

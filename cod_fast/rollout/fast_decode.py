@@ -21,11 +21,11 @@ bucket at a time, into a transformers cache the sampler joins across buckets), t
 Supported: the plain pre-norm decoders whose modules this reads (`ARCHITECTURES`: Qwen3, Qwen2,
 Llama, Mistral) with SiLU-gated MLPs, full attention in every layer and default or scaled RoPE
 (the model's own rotary module computes cos and sin), built of plain `nn.Linear`/`nn.Embedding`
-modules with no forward hooks and no replaced forward (cod_fast.lean's excepted: same
+modules with no forward hooks and no replaced forward (cod_fast.model.lean's excepted: same
 arithmetic). `FastDecoder.supports` says why any other model is refused (an adapter such as
 LoRA, a hook that edits logits, a sliding window); the sampler then decodes through
 transformers. The RMSNorm, the SwiGLU product and a decode step's attention are
-cod_fast.ops.layers' kernels, as in cod_fast.lean (C++ for float32 on a CPU; the RMSNorm float32
+cod_fast.ops.layers' kernels, as in cod_fast.model.lean (C++ for float32 on a CPU; the RMSNorm float32
 inside for 16-bit inputs and float64 for float64, which is transformers' arithmetic except that
 transformers rounds float64 to float32).
 
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from cod_fast.lean import _lean_mlp_forward, _lean_norm_forward
+from cod_fast.model.lean import _lean_mlp_forward, _lean_norm_forward
 from cod_fast.ops.layers import (
     decode_attention,
     keys_transposed,

@@ -1,9 +1,11 @@
 """The interface between the rollout driver and whatever generates tokens.
 
 One batched call per driver step: token-id prompts in; sampled token ids, the log-prob of each
-sampled token (under the temperature the loss uses) and a finish reason out. The torch and vLLM
-samplers of the trainer implement it; `TextPolicySampler` puts a scripted text policy behind it,
-for tests and for checking environments end to end without a model.
+sampled token (under the temperature the loss uses) and a finish reason out. Besides sampling, a
+`Sampler` gives the trainer its stream's state for checkpoints, takes new weights, frees its
+memory while the trainer trains, and shuts down. The torch and vLLM samplers of the trainer
+implement it; `TextPolicySampler` puts a scripted text policy behind it, for tests and for
+checking environments end to end without a model.
 
 Keyed calls: with `keys` (one 64-bit integer per prompt), response i's randomness is a function
 of the sampler's seed, keys[i] and the token's index alone, never of the other prompts in the
@@ -15,14 +17,17 @@ uint64, whose arithmetic wraps by definition.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from cod_fast.checkpoint import is_count
+from cod_fast.common.values import is_count
 from cod_fast.rollout.chat import ChatFormat
+
+if TYPE_CHECKING:
+    import torch
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -72,11 +77,40 @@ class Sample:
 
 
 class Sampler(Protocol):
+    """What generates tokens for the rollout driver, and what the trainer asks of it."""
+
+    calls: int
+    """`generate` calls so far: where the sampling stream stands."""
+
     def generate(
         self, prompts: list[list[int]], max_new_tokens: list[int], keys: list[int] | None = None
     ) -> list[Sample]:
         """One response per prompt, at most max_new_tokens[i] tokens for prompt i; with `keys`,
         response i's draws depend on keys[i] alone (see the module docstring)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the sampling stream stands (plain data and CPU tensors), for a checkpoint."""
+        ...
+
+    def load_state_dict(self, state: Any) -> None:
+        """Take back `state_dict()`; ValueError, saying what is wrong, for a state that is not
+        one (a damaged or edited checkpoint)."""
+        ...
+
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the trainer's full weights by Hugging Face name; returns how many tensors
+        arrived. The trainer pushes only into a sampler that holds its own copy."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what sampling holds on the device (weights, KV cache) while the trainer trains;
+        the next `push_weights` brings it back. A no-op where nothing is freed."""
+        ...
+
+    def close(self) -> None:
+        """Free the sampler's engine for good, so that another can start in this process; a
+        no-op where there is nothing to free."""
         ...
 
 
@@ -97,6 +131,23 @@ class TextPolicySampler:
             text_sample(self.chat, self.policy(self.chat.decode(prompt)), cap)
             for prompt, cap in zip(prompts, max_new_tokens, strict=True)
         ]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The call count: a deterministic policy has no other state."""
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: Any) -> None:
+        self.calls = sampler_calls(state)
+
+    def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """A text policy has no weights: none are taken."""
+        return 0
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+    def close(self) -> None:
+        """Nothing to free."""
 
 
 def text_sample(chat: ChatFormat, text: str, cap: int) -> Sample:

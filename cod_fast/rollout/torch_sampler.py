@@ -15,7 +15,9 @@ stop or reach their own cap: a decode step costs about the same for 8 rows as fo
 overhead on a CPU, memory bandwidth on a GPU), so separate loops per bucket would multiply it.
 Equal prompts (a group's members) are prefilled once and their copies decode from its cache
 rows. Prefill and decode run through cod_fast.rollout.fast_decode where the model allows (the
-same arithmetic without transformers' module stack), else through the model's forward.
+same arithmetic without transformers' module stack), else through the model's forward. The
+batch's pieces (buckets, prefill and join, the draw, the step runners) are in
+cod_fast.rollout.torch_batch; this module holds the sampler and its decode loops.
 
 On CUDA (`static_shapes`, `cuda_graphs`) the fast decode loop keeps one shape instead: the batch
 padded to a row bucket and the cache to a width bucket (fast_decode.StaticCache), stopped rows
@@ -33,7 +35,6 @@ instead, and leaves the generator as it was.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 from collections.abc import Iterable
@@ -41,103 +42,18 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
-from cod_fast.checkpoint import set_generator_state
-from cod_fast.rollout.fast_decode import (
-    CapturedStep,
-    FastDecoder,
-    StaticCache,
-    row_bucket,
-    width_bucket,
-)
+from cod_fast.common.rng import set_generator_state
+from cod_fast.rollout.fast_decode import FastDecoder, row_bucket, width_bucket
 from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms, sampler_calls
-
-BUCKET_RATIO = 1.25
-"""A bucket's longest prompt is at most this many times its shortest: at most ~20% padding."""
-
-
-def distinct_prompts(prompts: list[list[int]]) -> list[list[int]]:
-    """The indices of equal prompts grouped, in order of first appearance."""
-    first: dict[tuple[int, ...], int] = {}
-    copies: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        j = first.setdefault(tuple(prompt), len(copies))
-        if j == len(copies):
-            copies.append([])
-        copies[j].append(i)
-    return copies
-
-
-def length_buckets(
-    lengths: list[int], max_tokens: int, ratio: float = BUCKET_RATIO
-) -> list[list[int]]:
-    """Indices of `lengths` grouped into buckets of similar length, shortest first.
-
-    Greedy over the sorted lengths: a bucket takes the next prompt while the longest stays within
-    `ratio` times the shortest and the padded prefill (rows x longest) within `max_tokens`; a
-    prompt longer than `max_tokens` gets a bucket of its own.
-    """
-    buckets: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if buckets:
-            bucket = buckets[-1]
-            fits = lengths[i] <= ratio * lengths[bucket[0]]
-            if fits and (len(bucket) + 1) * lengths[i] <= max_tokens:
-                bucket.append(i)
-                continue
-        buckets.append([i])
-    return buckets
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, W], attention mask [B, W]) of the prompts right-aligned to the longest, W."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        mask[row, width - len(prompt) :] = 1
-    return ids, mask
-
-
-def processed_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """[B, V] float32 log-probs of the sampling distribution: log_softmax(logits / T), then the
-    nucleus (the fewest most likely tokens whose mass reaches top_p; the top token always)
-    renormalised, every other token at -inf."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if top_p >= 1.0:
-        return logp
-    sorted_logp, order = logp.sort(dim=-1, descending=True)
-    probs = sorted_logp.exp()
-    # A token stays when the mass strictly above it has not reached top_p yet: the first one
-    # always does (mass 0), and the last one kept is the one that reaches top_p.
-    drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-    return logp.masked_fill(drop, -math.inf).log_softmax(dim=-1)
-
-
-def draw(logp: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """[B, 1] token ids drawn from the rows of `logp` [B, V] (log-probs, -inf for excluded
-    tokens) by inverse CDF: the first v whose cumulative probability exceeds u * total, with
-    `uniforms` [B, 1] float64 u ~ U[0, 1), one per row. The sums are float64, so every token's interval has its probability to 1e-16 (a
-    float32 running sum over 150k tokens would shift them by up to 1e-7, more than a rare token's
-    p). A token with p = 0 adds nothing to the sum and can never be the first to exceed u. On a
-    CPU: an exp, a cumsum and a search, 18 us for 32 rows of 334 tokens, where the exponential
-    race took 180 us and torch.multinomial 150 us."""
-    cdf = logp.double().exp_().cumsum_(dim=-1)
-    total = cdf[:, -1:]
-    u = uniforms.to(device=cdf.device, dtype=cdf.dtype) * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # rounding: u < total
-    return torch.searchsorted(cdf, u, right=True)
-
-
-def _cache_keyword(model) -> str:
-    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns
-    until 5.40); 5.17 knows only `past_key_values`. The signature says which this model takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+from cod_fast.rollout.torch_batch import BUCKET_RATIO as BUCKET_RATIO
+from cod_fast.rollout.torch_batch import ModuleDecoder, Responses, cache_keyword, join, prefill
+from cod_fast.rollout.torch_batch import StaticRun as _StaticRun  # the sampler's own, not API
+from cod_fast.rollout.torch_batch import distinct_prompts as distinct_prompts
+from cod_fast.rollout.torch_batch import draw as draw
+from cod_fast.rollout.torch_batch import left_pad as left_pad
+from cod_fast.rollout.torch_batch import length_buckets as length_buckets
+from cod_fast.rollout.torch_batch import processed_logprobs as processed_logprobs
 
 
 def _stop_ids(model, tokenizer) -> frozenset[int]:
@@ -192,7 +108,7 @@ class TorchSampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self.calls = 0
-        self._cache_kw = _cache_keyword(model)
+        self._cache_kw = cache_keyword(model)
         self.fast_decode = fast_decode
         self.decode_path = ""  # set by each call: "fast", or "transformers (why not fast)"
         cuda = self.device.type == "cuda"
@@ -251,7 +167,8 @@ class TorchSampler:
                 buckets = length_buckets([len(p) for p in distinct], self.max_batch_tokens)
                 decoder = self._decoder()
                 prefilled = [
-                    self._prefill(decoder, [distinct[j] for j in bucket]) for bucket in buckets
+                    prefill(decoder, [distinct[j] for j in bucket], self.pad_id, self.device)
+                    for bucket in buckets
                 ]
                 flat = [j for bucket in buckets for j in bucket]
                 order = [i for j in flat for i in copies[j]]
@@ -259,7 +176,8 @@ class TorchSampler:
                 caps = [max_new_tokens[i] for i in order]
                 streams = None if keys is None else key_streams(self.seed, [keys[i] for i in order])
                 decode = self._decode_static if self._decodes_static(decoder) else self._decode
-                samples = decode(decoder, *self._join(prefilled), starts, caps, streams)
+                batch = join(prefilled, self.model.config)
+                samples = decode(decoder, *batch, starts, caps, streams)
         finally:
             self.model.train(was_training)
         out: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]
@@ -286,51 +204,13 @@ class TorchSampler:
             if not isinstance(cap, int) or cap < 1:
                 raise ValueError(f"max_new_tokens[{i}] must be an int >= 1, got {cap!r}")
 
-    def _forward(self, ids, mask, positions, cache) -> torch.Tensor:
-        """[B, V] logits of each row's last position; the cache grows by ids.shape[1]."""
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kw: cache},
-        )
-        return out.logits[:, -1]
-
-    def _prefill(self, decoder, prompts: list[list[int]]):
-        """One left-padded batch through the model: (cache, last logits [B, V], mask [B, W],
-        next positions [B, 1])."""
-        ids, mask = left_pad(prompts, self.pad_id)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        # Every prompt's positions start at 0 whatever its padding (pads get 0, and are masked).
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache, logits = decoder.prefill(ids, mask, positions)
-        return cache, logits, mask, positions[:, -1:] + 1
-
-    def _join(self, prefilled):
-        """The buckets' batches as one: caches and masks left-padded to the widest, stacked."""
-        if len(prefilled) == 1:
-            return prefilled[0]
-        width = max(mask.shape[1] for _, _, mask, _ in prefilled)
-        cache = DynamicCache(config=self.model.config)
-        for layer in range(len(prefilled[0][0].layers)):
-            parts = [(c.layers[layer], width - m.shape[1]) for c, _, m, _ in prefilled]
-            keys = torch.cat([F.pad(kv.keys, (0, 0, pad, 0)) for kv, pad in parts])
-            values = torch.cat([F.pad(kv.values, (0, 0, pad, 0)) for kv, pad in parts])
-            cache.update(keys, values, layer)
-        logits = torch.cat([lg for _, lg, _, _ in prefilled])
-        mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for _, _, m, _ in prefilled])
-        next_pos = torch.cat([p for _, _, _, p in prefilled])
-        return cache, logits, mask, next_pos
-
     def _decoder(self):
         """Decode steps without transformers' module stack where the model allows
         (cod_fast.rollout.fast_decode; checked at every call, since hooks or adapters may come
         and go), else through its forward; `decode_path` records which and why."""
         why = FastDecoder.supports(self.model) if self.fast_decode else "fast_decode=False"
         self.decode_path = "fast" if why is None else f"transformers ({why})"
-        return FastDecoder(self.model) if why is None else _ModuleDecoder(self)
+        return FastDecoder(self.model) if why is None else ModuleDecoder(self.model, self._cache_kw)
 
     def _decodes_static(self, decoder) -> bool:
         """Whether this call decodes with static shapes; `decode_steps` records which and why."""
@@ -355,7 +235,7 @@ class TorchSampler:
         index = torch.tensor(starts, device=self.device)
         decoder.start(cache, mask, max(caps), index)
         logits, next_pos = logits[index], next_pos[index]
-        responses = _Responses(caps, self.stop_ids)
+        responses = Responses(caps, self.stop_ids)
         rows = list(range(len(caps)))  # the prompt each live batch row belongs to
         step = 0  # live rows decode in lockstep: each has drawn `step` tokens
         while True:
@@ -391,7 +271,7 @@ class TorchSampler:
         index = torch.tensor(starts + starts[:1] * (rows - n), device=self.device)
         run.load(cache, mask, next_pos, index, caps)
         table = None if streams is None else self._uniform_table(streams, steps, rows)
-        responses = _Responses(caps, self.stop_ids)
+        responses = Responses(caps, self.stop_ids)
         live = list(range(n))
         for step in range(steps):
             run.set_uniforms(step, len(live), table)
@@ -416,7 +296,19 @@ class TorchSampler:
         key = (rows, width, dtype, tuple(t.data_ptr() for t in tensors))
         if self._static is None or self._static.key != key:
             self._static = None
-            self._static = _StaticRun(self, decoder, rows, width, dtype, key)
+            self._static = _StaticRun(
+                decoder,
+                rows,
+                width,
+                dtype,
+                key,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                generator=self.generator,
+                stop_ids=self.stop_ids,
+                cuda_graphs=self.cuda_graphs,
+                device=self.device,
+            )
         return self._static
 
     def _uniform_table(self, streams, steps: int, rows: int) -> torch.Tensor:
@@ -474,116 +366,10 @@ class TorchSampler:
             raise ValueError(f"push_weights: no tensor was given for {missing}")
         return len(seen)
 
+    # --- memory --------------------------------------------------------------------------------
 
-class _Responses:
-    """The tokens, log-probs and finish reasons drawn so far, one response per prompt."""
+    def sleep(self) -> None:
+        """Nothing to free: the model is the trainer's own, or a copy that keeps its weights."""
 
-    def __init__(self, caps: list[int], stop_ids: frozenset[int]):
-        self.caps, self.stop_ids = caps, stop_ids
-        self.tokens: list[list[int]] = [[] for _ in caps]
-        self.logps: list[list[float]] = [[] for _ in caps]
-        self.finish = ["length"] * len(caps)
-
-    def add(self, rows: list[int], tokens: list[int], logps: list[float]) -> list[int]:
-        """Append token j and its log-prob to response rows[j]; the positions j whose response
-        goes on (no stop token, below its cap)."""
-        keep = []
-        for j, (r, t, lp) in enumerate(zip(rows, tokens, logps, strict=True)):
-            self.tokens[r].append(t)
-            self.logps[r].append(lp)
-            if t in self.stop_ids:
-                self.finish[r] = "stop"
-            elif len(self.tokens[r]) < self.caps[r]:
-                keep.append(j)
-        return keep
-
-    def samples(self) -> list[Sample]:
-        return [
-            Sample(token_ids=t, logprobs=lp, finish_reason=f)
-            for t, lp, f in zip(self.tokens, self.logps, self.finish, strict=True)
-        ]
-
-
-class _StaticRun:
-    """One (rows, width) bucket of `TorchSampler._decode_static`: the StaticCache, the
-    sampling buffers, and the step (decode, then draw) as a CUDA graph or run eagerly. Row i's
-    uniform for this step is in `uniforms`; the device tracks which rows are still decoding
-    (`alive`) to hand the generator's draws to the live rows in order."""
-
-    def __init__(self, sampler: TorchSampler, decoder, rows: int, width: int, dtype, key):
-        self.key = key
-        self.temperature, self.top_p = sampler.temperature, sampler.top_p
-        self.generator = sampler.generator
-        device = sampler.device
-        self.cache = StaticCache(decoder, rows, width, dtype, device)
-        self.uniforms = torch.zeros(rows, dtype=torch.float64, device=device)
-        self.fresh = torch.zeros(rows, dtype=torch.float64, device=device)  # the live rows'
-        self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.caps = torch.zeros(rows, dtype=torch.long, device=device)
-        self.drawn = torch.zeros(1, dtype=torch.long, device=device)  # tokens per live row
-        self.stops = torch.tensor(sorted(sampler.stop_ids) or [-1], device=device)
-        self.out = torch.zeros(rows, 2, dtype=torch.float64, device=device)  # token, log-prob
-        # Recorded on these buffers before any call loads them (the recording runs a step).
-        self.step = (
-            CapturedStep(self._decode_and_sample)
-            if sampler.cuda_graphs
-            else self._decode_and_sample
-        )
-
-    def load(self, cache, mask, next_pos, index: torch.Tensor, caps: list[int]) -> None:
-        """A call's prefilled rows `index` (one per batch row) and the caps of its responses
-        (batch rows past len(caps) are padding: never alive)."""
-        self.cache.load(cache, mask, next_pos, index)
-        padded = caps + [0] * (len(index) - len(caps))
-        self.caps.copy_(torch.tensor(padded))
-        torch.gt(self.caps, 0, out=self.alive)
-        self.drawn.zero_()
-
-    def set_uniforms(self, step: int, live: int, table: torch.Tensor | None) -> None:
-        """This step's uniforms: row `step` of the keyed table, or `live` draws of the
-        generator given to the live rows in order, as `TorchSampler._uniforms` gives them to
-        the compacting batch (so both paths draw the same tokens and leave the generator in
-        the same state)."""
-        if table is not None:
-            self.uniforms.copy_(table[step])
-            return
-        self.fresh[:live].uniform_(0, 1, generator=self.generator)
-        rank = (self.alive.cumsum(0) - 1).clamp_(min=0)
-        torch.gather(self.fresh, 0, rank, out=self.uniforms)
-
-    def sample(self, logits: torch.Tensor) -> None:
-        """Draw every row's next token from `logits` [rows, V]; `out` gets the tokens and
-        their log-probs, the cache the tokens to decode next, `alive` the rows that go on."""
-        logp = processed_logprobs(logits, self.temperature, self.top_p)
-        tok = draw(logp, self.uniforms[:, None])
-        torch.cat([tok.double(), logp.gather(-1, tok).double()], dim=1, out=self.out)
-        self.cache.tokens.copy_(tok)
-        self.drawn += 1
-        self.alive &= (tok != self.stops).all(-1) & (self.caps > self.drawn)
-
-    def _decode_and_sample(self) -> None:
-        self.sample(self.cache.step())
-
-
-class _ModuleDecoder:
-    """Decode steps through the model's own forward and transformers' cache (FastDecoder's
-    interface), for the architectures FastDecoder does not cover."""
-
-    def __init__(self, sampler: TorchSampler):
-        self.forward, self.config = sampler._forward, sampler.model.config
-
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor):
-        cache = DynamicCache(config=self.config)
-        return cache, self.forward(ids, mask, positions, cache)
-
-    def start(self, cache, mask: torch.Tensor, new_tokens: int, index: torch.Tensor) -> None:
-        cache.batch_select_indices(index)
-        self.cache, self.mask = cache, mask[index]
-
-    def select(self, index: torch.Tensor) -> None:
-        self.cache.batch_select_indices(index)
-        self.mask = self.mask[index]
-
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), 1)], dim=1)
-        return self.forward(tokens, self.mask, positions, self.cache)
+    def close(self) -> None:
+        """Nothing to free: the model belongs to whoever made the sampler."""

@@ -1,0 +1,199 @@
+"""The policy sharded by FSDP2, and its full model state out of the shards and back in.
+
+`shard_policy` wraps every decoder layer and then the `Policy` itself as the root, so the
+embeddings, final norm and LM head (tied or not) form the root group that `Policy.forward`
+gathers while the fused loss uses the LM head.
+
+Everything that leaves the trainer (sampler weight pushes, checkpoints, the KL reference) is a
+full, unsharded state under the Hugging Face parameter names, so one format serves one process
+and many, and a checkpoint written by N ranks resumes on M (the optimizer's too:
+cod_fast.dist.optim_state). The gathers are collectives: every rank calls these functions, only
+the main rank keeps the result. In one plain process (no process group) every function works
+unchanged, with no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from cod_fast.dist.context import DistContext, broadcast_object
+from cod_fast.model.policy import Policy
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's block list (`layers` in Llama/Qwen, the one ModuleList child elsewhere)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        return decoder.layers
+    lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: its decoder "
+            f"{type(decoder).__name__} has {len(lists)} ModuleList children, expected one"
+        )
+    return lists[0]
+
+
+def shard_policy(
+    policy: Policy,
+    ctx: DistContext,
+    *,
+    reshard_after_forward: bool = True,
+    compute_dtype: torch.dtype | None = None,
+) -> Policy:
+    """FSDP2 over ctx.mesh: one group per decoder layer, the rest in the root (the Policy);
+    gradients are summed over ranks. No mesh: the policy unchanged.
+
+    `compute_dtype` other than the parameters' dtype is mixed precision: the sharded float32
+    parameters stay the master weights the optimizer updates, each forward gathers them cast
+    to `compute_dtype`, and gradients are reduced (and accumulated over micro-batches) in
+    float32. Otherwise the model's own dtype is used throughout.
+
+    `reshard_after_forward` applies to the layers. The root keeps torch's default: it stays
+    gathered after its forward, since training's backward needs it at once; after a no-grad
+    forward it stays gathered until the next backward (the state functions here reshard first).
+    """
+    if not ctx.sharded:
+        return policy
+    dtype = next(policy.parameters()).dtype
+    mixed = compute_dtype is not None and compute_dtype != dtype
+    layers = root = MixedPrecisionPolicy()
+    if mixed:
+        layers = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # The root's input is a MicroBatch whose advantages and log-probs must stay float32;
+        # FSDP2 would cast every floating tensor in it (dataclasses included).
+        root = MixedPrecisionPolicy(
+            param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+    for layer in _decoder_layers(policy.model):
+        fully_shard(
+            layer, mesh=ctx.mesh, reshard_after_forward=reshard_after_forward, mp_policy=layers
+        )
+    fully_shard(policy, mesh=ctx.mesh, mp_policy=root)
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            # Each rank's loss already carries the step's global denominator, so the rank
+            # losses add up to the batch loss and the gradients must be summed. FSDP's default
+            # averages them over the data-parallel ranks (right for a per-rank mean loss).
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM, no PREMUL_SUM op
+    return policy
+
+
+def reshard(policy: torch.nn.Module) -> None:
+    """Put every FSDP group back in its sharded state, so parameters are the DTensors that own
+    the storage (after a no-grad forward the root still holds gathered copies)."""
+    for module in policy.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+
+def full_parameters(policy: Policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, full tensor) of every parameter, tied ones once, in named_parameters
+    order, gathered one at a time. Under FSDP every rank must exhaust it (each gather is a
+    collective); the tensors may share storage with the live parameters: read, don't write."""
+    reshard(policy)
+    for name, param in policy.model.named_parameters():
+        yield name, _gathered(param)  # no local name: the previous tensor is the consumer's alone
+
+
+def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield f"{prefix}.{name}" if prefix else name, buf
+
+
+def _expected_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(model.named_parameters()), **dict(_persistent_buffers(model))}
+
+
+def model_state(policy: Policy, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Full model state (parameters as in full_parameters, plus persistent buffers) as CPU
+    copies on the main rank; {} on the others, which still take part in the gathers."""
+    reshard(policy)
+    state = {}
+    for name, tensor in _expected_tensors(policy.model).items():
+        full = _gathered(tensor)
+        if ctx.is_main:
+            state[name] = full.to("cpu", copy=True)  # a copy even on the CPU: never an alias
+    return state
+
+
+def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Second names of tied parameters -> the name named_parameters() keeps."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def _state_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str | None:
+    """Why `state` does not fit `model`, or None."""
+    expected = _expected_tensors(model)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} vs {tuple(t.shape)}"
+        for k, t in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(t.shape)
+    ]
+    if not (missing or unexpected or wrong):
+        return None
+    aliases = _tied_aliases(model)
+    unexpected = [
+        f"{k} (tied to {aliases[k]}: a tied weight is kept once, under that name)"
+        if k in aliases
+        else k
+        for k in unexpected
+    ]
+    parts = [
+        f"{label}: {', '.join(items)}"
+        for label, items in (
+            ("missing keys", missing),
+            ("unexpected keys", unexpected),
+            ("shape mismatches (checkpoint vs model)", wrong),
+        )
+        if items
+    ]
+    return "the checkpoint does not fit this model: " + "; ".join(parts)
+
+
+def load_model_state(policy: Policy, state: dict[str, torch.Tensor], ctx: DistContext) -> None:
+    """Copy a full state (present on the main rank; others may pass {}) into the policy, in
+    place, so tied parameters stay one parameter. Strict: ValueError on every rank when keys or
+    shapes do not match, before anything is copied."""
+    reshard(policy)
+    model = policy.model
+    problem = broadcast_object(_state_mismatch(model, state) if ctx.is_main else None, ctx)
+    if problem is not None:
+        raise ValueError(problem)
+    with torch.no_grad():
+        for name, target in _expected_tensors(model).items():
+            if ctx.is_main:
+                full = state[name].to(device=ctx.device, dtype=target.dtype)
+            else:
+                full = torch.empty(target.shape, dtype=target.dtype, device=ctx.device)
+            if ctx.distributed:
+                # Everyone gets the full tensor, then keeps its own chunk (no further
+                # communication, so any mesh, HSDP included, takes the same path).
+                dist.broadcast(full, src=0, group=ctx.group)
+            if isinstance(target, DTensor):
+                full = distribute_tensor(
+                    full, target.device_mesh, target.placements, src_data_rank=None
+                )
+            target.copy_(full)
