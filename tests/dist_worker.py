@@ -1,7 +1,7 @@
-"""The rank processes of tests/dist/test_distributed.py, and the batches both sides train on.
+"""The rank processes of tests/distributed/test_distributed.py, and the batches both sides train on.
 
 `run` is one rank of a 2-process gloo job (started by torch.multiprocessing): it shards the tiny
-Qwen3 with cod_fast.dist.fsdp, trains the steps of `STEPS`, round-trips the full model and
+Qwen3 with cod_fast.distributed.fsdp, trains the steps of `STEPS`, round-trips the full model and
 optimizer states, and torch.saves what it saw to `out/rank{r}.pt`. The test runs the same steps
 in one process and compares. No test functions here.
 """
@@ -17,15 +17,15 @@ import torch
 from cod_fast import LossConfig
 from cod_fast.config import ModelConfig
 from cod_fast.data.packing import pack_microbatches, rollout_sequences, step_totals
-from cod_fast.dist.context import (
+from cod_fast.distributed.context import (
     all_reduce_max,
     broadcast_object,
     gather_objects,
     init_distributed,
     shutdown,
 )
-from cod_fast.dist.fsdp import full_parameters, load_model_state, model_state, shard_policy
-from cod_fast.dist.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.distributed.fsdp import full_parameters, load_model_state, model_state, shard_policy
+from cod_fast.distributed.optim_state import load_optimizer_state, optimizer_state
 from cod_fast.model.loading import load_policy
 from cod_fast.model.policy import Policy
 from cod_fast.ops import aggregation_denominator

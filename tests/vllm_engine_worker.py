@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from cod_fast.config import LossConfig, ModelConfig
 from cod_fast.data.packing import Segment, Sequence, build_microbatch, step_totals
-from cod_fast.dist.fsdp import full_parameters
+from cod_fast.distributed.fsdp import full_parameters
 from cod_fast.model.loading import load_policy
 from cod_fast.model.policy import Policy
 from cod_fast.model.tokenizer import CHATML, char_tokenizer

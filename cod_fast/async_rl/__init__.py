@@ -11,8 +11,8 @@ from __future__ import annotations
 from cod_fast.async_rl.source import RemoteBatches
 from cod_fast.async_rl.worker import RolloutWorker
 from cod_fast.config import Config
-from cod_fast.dist.channel import RolloutWorkerError, make_groups
-from cod_fast.dist.context import init_distributed, resolve_device
+from cod_fast.distributed.channel import RolloutWorkerError, make_groups
+from cod_fast.distributed.context import init_distributed, resolve_device
 from cod_fast.model.loading import master_dtype, resolve_dtype
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cod_fast.async_rl.staleness import broadcasts, ready_after, weights_version
-from cod_fast.dist.channel import (
+from cod_fast.distributed.channel import (
     BatchReceiver,
     Groups,
     RolloutWorkerError,
@@ -25,8 +25,8 @@ from cod_fast.dist.channel import (
     WeightPublisher,
     send_start,
 )
-from cod_fast.dist.context import DistContext, broadcast_object
-from cod_fast.dist.fsdp import full_parameters
+from cod_fast.distributed.context import DistContext, broadcast_object
+from cod_fast.distributed.fsdp import full_parameters
 from cod_fast.train.batches import Batch, sort_rollouts
 
 if TYPE_CHECKING:

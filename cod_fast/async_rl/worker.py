@@ -16,7 +16,7 @@ import torch
 
 from cod_fast.async_rl.staleness import next_broadcast, weights_version
 from cod_fast.config import Config
-from cod_fast.dist.channel import (
+from cod_fast.distributed.channel import (
     Groups,
     Start,
     WorkerBatch,
@@ -24,8 +24,8 @@ from cod_fast.dist.channel import (
     send_batch,
     send_start,
 )
-from cod_fast.dist.context import DistContext
-from cod_fast.dist.host_memory import keep_freed_memory
+from cod_fast.distributed.context import DistContext
+from cod_fast.distributed.host_memory import keep_freed_memory
 from cod_fast.envs import make_envs
 from cod_fast.eval.evaluate import run_eval_sampling
 from cod_fast.model.loading import load_policy, resolve_dtype

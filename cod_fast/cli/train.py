@@ -124,7 +124,7 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
     if trainer.ctx.is_main:
         print_summary(summary, console, cfg)
     if last or summary["signal"] is not None:
-        from cod_fast.dist.context import shutdown
+        from cod_fast.distributed.context import shutdown
 
         shutdown(trainer.ctx)
     if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
@@ -132,7 +132,7 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
 
 
 def _lost_workers(error: BaseException) -> bool:
-    from cod_fast.dist.channel import RolloutWorkerError
+    from cod_fast.distributed.channel import RolloutWorkerError
 
     return isinstance(error, RolloutWorkerError)
 
@@ -154,7 +154,7 @@ def _rollout_worker_run(worker) -> None:
     """A rollout rank's whole run: it samples until the trainer's last batch; a failure is one
     line (the trainer reports it too, and stops with a checkpoint)."""
     from cod_fast.async_rl import RolloutWorkerError
-    from cod_fast.dist.context import shutdown
+    from cod_fast.distributed.context import shutdown
 
     try:
         worker.run()
@@ -186,7 +186,7 @@ def distill(
     exported to that folder), then the student's run. Rerun after a stop: finished teachers are
     kept, an unfinished teacher run resumes. Under torchrun every rank takes part in every run;
     the main rank alone writes the shared tokenizer and the exports, the others wait for them."""
-    from cod_fast.dist.context import barrier, init_distributed
+    from cod_fast.distributed.context import barrier, init_distributed
     from cod_fast.envs import make_envs
     from cod_fast.rollout.driver import DriverSettings
     from cod_fast.run.checkpoint import latest_checkpoint
@@ -232,7 +232,7 @@ def distill(
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
-    from cod_fast.dist.channel import RolloutWorkerError
+    from cod_fast.distributed.channel import RolloutWorkerError
     from cod_fast.run.checkpoint import CheckpointError
     from cod_fast.run.directory import RunDirError
     from cod_fast.train.step import NonFiniteError

@@ -166,7 +166,7 @@ class RuntimeConfig(_Config):
     """Also write TensorBoard event files."""
     keep_freed_memory: bool = True
     """On the CPU, keep freed host memory in the process instead of returning it to the OS
-    after every step (glibc malloc settings, cod_fast.dist.host_memory): repeated allocations stop
+    after every step (glibc malloc settings, cod_fast.distributed.host_memory): repeated allocations stop
     taking page faults. Linux with glibc only."""
     hsdp_replicate: int = 1
     """Replica groups of hybrid-sharded data parallelism (1 = plain FSDP)."""

@@ -27,7 +27,7 @@ from cod_fast.common.safe_write import write_atomic
 from cod_fast.config import Config, RolloutConfig
 from cod_fast.data.diagnostics import hint_checks, hint_metrics
 from cod_fast.data.metrics import PositionSummary, plot_positions, solve_results, summarize
-from cod_fast.dist.context import DistContext, gather_objects
+from cod_fast.distributed.context import DistContext, gather_objects
 from cod_fast.envs import make_env
 from cod_fast.envs.packs import PackSpec, make_packs, pack_seeds
 from cod_fast.rollout.chat import ChatFormat

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cod_fast.common.safe_write import fresh_folder
 from cod_fast.config import Config
-from cod_fast.dist.context import DistContext, barrier
+from cod_fast.distributed.context import DistContext, barrier
 from cod_fast.model.loading import BUILTIN_TINY, resolve_dtype
 from cod_fast.rollout.sampler import Sampler
 from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem, head_dim

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from cod_fast.common.rng import rng_state, set_rng_state
-from cod_fast.dist import comm_trace
+from cod_fast.distributed import comm_trace
 from cod_fast.rollout.sampler import Sample, request_seed, sampler_calls
 
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

@@ -6,7 +6,7 @@ interruption at any moment leaves a loadable checkpoint: rewriting a step that a
 first moves the old folder aside, and `latest_checkpoint` takes the new folder, or else the
 old one, from where they lie when a kill fell between the two renames. The next save moves such
 a folder into its place and removes what is left. The caller passes full (gathered) states, so one format serves one process and
-many (cod_fast.dist.fsdp gathers FSDP2 shards); per-rank state (random number generators, the
+many (cod_fast.distributed.fsdp gathers FSDP2 shards); per-rank state (random number generators, the
 sampler's generator) travels as one entry per rank. Restoring the RNG sets every generator the
 run uses (python, numpy, torch CPU and CUDA), so a resumed run on the CPU continues exactly as
 the uninterrupted one would have.

@@ -33,8 +33,8 @@ from cod_fast.common.safe_write import LinkError, fresh_folder, remove
 from cod_fast.common.values import write_cause
 from cod_fast.config import Config, ConfigError, shown
 from cod_fast.config.io import dump_yaml, load_config
-from cod_fast.dist.context import DistContext
-from cod_fast.dist.fsdp import load_model_state
+from cod_fast.distributed.context import DistContext
+from cod_fast.distributed.fsdp import load_model_state
 from cod_fast.model.loading import BUILTIN_TINY, load_policy, resolve_dtype
 from cod_fast.model.policy import Policy
 from cod_fast.model.tokenizer import load_saved_tokenizer

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from cod_fast.data.records import Rollout
-from cod_fast.dist.context import DistContext, gather_objects
+from cod_fast.distributed.context import DistContext, gather_objects
 from cod_fast.envs.packs import PackSpec, draw_env, make_packs, pack_seeds
 
 if TYPE_CHECKING:

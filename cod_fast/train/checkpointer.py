@@ -24,9 +24,14 @@ from safetensors.torch import save_file
 from cod_fast.common.rng import rng_state, set_rng_state
 from cod_fast.common.safe_write import atomic_file
 from cod_fast.config import Config
-from cod_fast.dist.context import DistContext, all_reduce_max, broadcast_object, gather_objects
-from cod_fast.dist.fsdp import load_model_state, model_state, shard_policy
-from cod_fast.dist.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.distributed.context import (
+    DistContext,
+    all_reduce_max,
+    broadcast_object,
+    gather_objects,
+)
+from cod_fast.distributed.fsdp import load_model_state, model_state, shard_policy
+from cod_fast.distributed.optim_state import load_optimizer_state, optimizer_state
 from cod_fast.model.loading import load_policy
 from cod_fast.model.policy import Policy
 from cod_fast.rollout.sampler import Sampler

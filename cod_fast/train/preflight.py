@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
-from cod_fast.dist.context import mesh_layout, resolve_device
+from cod_fast.distributed.context import mesh_layout, resolve_device
 from cod_fast.envs import Environment, env_class, make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.model.attention import resolve_attn_impl
@@ -54,7 +54,7 @@ def preflight(cfg: Config) -> None:
     validate(cfg)
     world_size = _environment_int("WORLD_SIZE", 1)
     if world_size > 1:
-        _environment_int("LOCAL_RANK", 0)  # the device of each rank (cod_fast.dist.context)
+        _environment_int("LOCAL_RANK", 0)  # the device of each rank (cod_fast.distributed.context)
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
     envs = _made_environments(cfg)  # imports a path environment: the first code of its own
     _check_explorers(cfg)
@@ -96,7 +96,7 @@ def _made_environments(cfg: Config) -> list[Environment]:
 
 
 def _environment_int(name: str, default: int) -> int:
-    """An integer that torchrun sets, read as cod_fast.dist.context reads it."""
+    """An integer that torchrun sets, read as cod_fast.distributed.context reads it."""
     text = os.environ.get(name, str(default))
     try:
         return int(text)

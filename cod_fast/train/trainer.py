@@ -46,10 +46,15 @@ from cod_fast.data.packing import (
     step_totals,
 )
 from cod_fast.data.records import Rollout
-from cod_fast.dist.channel import RolloutWorkerError
-from cod_fast.dist.context import DistContext, all_reduce_max, init_distributed, resolve_device
-from cod_fast.dist.fsdp import full_parameters, shard_policy
-from cod_fast.dist.host_memory import keep_freed_memory
+from cod_fast.distributed.channel import RolloutWorkerError
+from cod_fast.distributed.context import (
+    DistContext,
+    all_reduce_max,
+    init_distributed,
+    resolve_device,
+)
+from cod_fast.distributed.fsdp import full_parameters, shard_policy
+from cod_fast.distributed.host_memory import keep_freed_memory
 from cod_fast.envs import make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.eval.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings

@@ -17,7 +17,7 @@ import torch
 from cod_fast.async_rl.staleness import broadcasts, next_broadcast, ready_after, weights_version
 from cod_fast.config import ConfigError
 from cod_fast.config.io import load_config
-from cod_fast.dist.comm_check import check
+from cod_fast.distributed.comm_check import check
 from cod_fast.run.checkpoint import latest_checkpoint, read_model_state
 from tests.rollout.test_vllm_engine import requires_vllm
 from tests.train.test_trainer import FAST, metrics
@@ -290,7 +290,7 @@ def test_a_vllm_rollout_worker_samples_with_the_weights_it_was_sent(tmp_path):
     a folder the worker writes itself (transformers writes nothing on a global rank other than
     0), then takes every broadcast; at staleness 0 its log-probs equal the trainer's to float
     rounding, as in a synchronous vLLM run, after a warm start has moved the weights. The
-    engines' own process groups (every rank starts one) keep NCCL's rules (cod_fast.dist.comm_check)."""
+    engines' own process groups (every rank starts one) keep NCCL's rules (cod_fast.distributed.comm_check)."""
     vllm = ["model.num_heads=1", "rollout.sampler=vllm", "rollout.vllm_eager=true"]
     trace = tmp_path / "trace"
     result = _train(
@@ -392,7 +392,7 @@ def _pushes(tmp_path, rollout_ranks: int) -> list[int]:
     still its own: only the trainer's treatment of its samplers is looked at)."""
     import dataclasses
 
-    from cod_fast.dist.context import DistContext
+    from cod_fast.distributed.context import DistContext
     from cod_fast.train.trainer import Trainer
     from tests.train.test_trainer import config
 

@@ -24,7 +24,7 @@ from cod_fast.common.safe_write import LinkError
 from cod_fast.config import ConfigError
 from cod_fast.config.presets import PRESETS
 from cod_fast.data.packing import SequenceTooLongError
-from cod_fast.dist.channel import RolloutWorkerError
+from cod_fast.distributed.channel import RolloutWorkerError
 from cod_fast.envs.base import MissingScriptedAgent
 from cod_fast.envs.cases import CasesError
 from cod_fast.envs.judge import JudgeError

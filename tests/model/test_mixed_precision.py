@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from cod_fast.cli.app import app
 from cod_fast.config.io import load_config
-from cod_fast.dist.fsdp import model_state
-from cod_fast.dist.optim_state import optimizer_state
+from cod_fast.distributed.fsdp import model_state
+from cod_fast.distributed.optim_state import optimizer_state
 from cod_fast.run.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.train.trainer import Trainer
 from tests.train.test_trainer import config, metrics

@@ -41,7 +41,7 @@ def test_torch_samplers_follow_rollout_torch_fast_decode(fast):
     import torch
 
     from cod_fast.config.io import load_config
-    from cod_fast.dist.context import DistContext
+    from cod_fast.distributed.context import DistContext
     from cod_fast.model.loading import load_policy
 
     cfg = load_config("tiny-cpu", overrides=[f"rollout.torch_fast_decode={str(fast).lower()}"])

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from cod_fast.cli.app import app
 from cod_fast.common.safe_write import temp_path
 from cod_fast.data.metrics import PositionSummary
-from cod_fast.dist.context import DistContext
+from cod_fast.distributed.context import DistContext
 from cod_fast.model.loading import load_policy
 from cod_fast.rollout.choice import _engine_folder
 from cod_fast.run.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint

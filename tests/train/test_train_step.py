@@ -18,9 +18,9 @@ from cod_fast.data.packing import (
     step_totals,
     with_entropy_coef,
 )
-from cod_fast.dist.context import DistContext
-from cod_fast.dist.fsdp import load_model_state, model_state
-from cod_fast.dist.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.distributed.context import DistContext
+from cod_fast.distributed.fsdp import load_model_state, model_state
+from cod_fast.distributed.optim_state import load_optimizer_state, optimizer_state
 from cod_fast.model.loading import lm_head_weight, load_policy, packed_hidden_states
 from cod_fast.model.policy import Policy
 from cod_fast.ops import aggregation_denominator, linear_policy_loss

@@ -11,7 +11,7 @@ left is float rounding from FSDP2 summing gradients over ranks in another order 
 the tolerances below; measured 2026-12-06 on 2, 2x2 and 2+2 processes: weights within 2e-9 of
 the one-process run's, every integer metric equal; without keyed sampling the same runs
 differed in 8 integer metrics and by up to 48% in others). Every process records its torch.distributed traffic
-(COD_FAST_COMM_TRACE) and cod_fast.dist.comm_check reports no violation of NCCL's rules, on the killed
+(COD_FAST_COMM_TRACE) and cod_fast.distributed.comm_check reports no violation of NCCL's rules, on the killed
 run (up to where its ranks stopped) and on the resumed run.
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cod_fast.dist.comm_check import check
+from cod_fast.distributed.comm_check import check
 from cod_fast.run.checkpoint import latest_checkpoint, read_model_state
 from tests.async_rl.test_async_rl import rank_pid
 from tests.train.test_trainer import FAST, TIMING

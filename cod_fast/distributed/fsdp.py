@@ -7,7 +7,7 @@ gathers while the fused loss uses the LM head.
 Everything that leaves the trainer (sampler weight pushes, checkpoints, the KL reference) is a
 full, unsharded state under the Hugging Face parameter names, so one format serves one process
 and many, and a checkpoint written by N ranks resumes on M (the optimizer's too:
-cod_fast.dist.optim_state). The gathers are collectives: every rank calls these functions, only
+cod_fast.distributed.optim_state). The gathers are collectives: every rank calls these functions, only
 the main rank keeps the result. In one plain process (no process group) every function works
 unchanged, with no communication.
 """
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from cod_fast.dist.context import DistContext, broadcast_object
+from cod_fast.distributed.context import DistContext, broadcast_object
 from cod_fast.model.policy import Policy
 
 

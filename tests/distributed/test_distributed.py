@@ -1,4 +1,4 @@
-"""cod_fast.dist (context, fsdp, optim_state): a 2-process gloo FSDP2 job trains like one
+"""cod_fast.distributed (context, fsdp, optim_state): a 2-process gloo FSDP2 job trains like one
 process, full states move between world sizes, and every function also works in one plain
 process.
 
@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from cod_fast.dist.context import (
+from cod_fast.distributed.context import (
     DistContext,
     all_reduce_max,
     barrier,
@@ -26,8 +26,8 @@ from cod_fast.dist.context import (
     init_distributed,
     shutdown,
 )
-from cod_fast.dist.fsdp import full_parameters, load_model_state, model_state, shard_policy
-from cod_fast.dist.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.distributed.fsdp import full_parameters, load_model_state, model_state, shard_policy
+from cod_fast.distributed.optim_state import load_optimizer_state, optimizer_state
 from tests import dist_worker
 from tests.dist_worker import GRAD_CLIP, NEXT_STEP, STEPS, fresh, step_batch, train
 
@@ -332,7 +332,7 @@ def report():  # registered first, so it runs after cod-fast's own exit handler
 
 atexit.register(report)
 gc.disable()  # cycles are left to the exit path, as after a run whose cycles were not collected
-from cod_fast.dist.context import gather_objects, init_distributed
+from cod_fast.distributed.context import gather_objects, init_distributed
 
 def run():
     ctx = init_distributed("cpu", one_rank_mesh=True)

@@ -1,4 +1,4 @@
-"""Check a run's recorded torch.distributed traffic (cod_fast.dist.comm_trace) against the rules NCCL
+"""Check a run's recorded torch.distributed traffic (cod_fast.distributed.comm_trace) against the rules NCCL
 imposes on a GPU run, so that a topology tried on the CPU over gloo (which forgives all of them)
 is known not to hang on GPUs (docs/gpu.md, "Tested topologies, and NCCL's rules checked on the
 CPU").
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m cod_fast.dist.comm_check TRACE_DIR", file=sys.stderr)
+        print("usage: python -m cod_fast.distributed.comm_check TRACE_DIR", file=sys.stderr)
         return 2
     found = check(args[0])
     for violation in found:

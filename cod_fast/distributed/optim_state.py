@@ -1,6 +1,6 @@
 """The optimizer's full state out of the shards and back in, checked before it is loaded.
 
-Like the model's (cod_fast.dist.fsdp), the optimizer's state leaves the trainer full and
+Like the model's (cod_fast.distributed.fsdp), the optimizer's state leaves the trainer full and
 unsharded, keyed by the Hugging Face parameter names (torch.distributed's format, in one process
 too), so a state saved by N ranks resumes on M. Loading broadcasts it over the trainers' group
 one tensor at a time and shards it like the parameters. A state read from a file may hold
@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from cod_fast.dist.context import DistContext, broadcast_object
-from cod_fast.dist.fsdp import reshard
+from cod_fast.distributed.context import DistContext, broadcast_object
+from cod_fast.distributed.fsdp import reshard
 from cod_fast.model.policy import Policy
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)

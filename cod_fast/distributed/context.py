@@ -1,7 +1,7 @@
 """This process's place in a run of several ranks: process group, device mesh, collectives.
 
 Under torchrun (WORLD_SIZE > 1) `init_distributed` joins the process group (NCCL on CUDA, gloo on
-the CPU) and builds the mesh FSDP2 shards over (cod_fast.dist.fsdp): 1-D ("shard",), or 2-D
+the CPU) and builds the mesh FSDP2 shards over (cod_fast.distributed.fsdp): 1-D ("shard",), or 2-D
 ("replicate", "shard") for HSDP. With rollout workers the trainers get a group and a mesh of
 their own, and the collectives here run over it. Every rank calls the collectives; in one plain
 process (no process group) they return at once, with no communication.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cod_fast.config import ConfigError
-from cod_fast.dist import comm_trace
+from cod_fast.distributed import comm_trace
 
 DEVICES = ("auto", "cpu", "cuda")
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from cod_fast.dist.fsdp import model_state
+from cod_fast.distributed.fsdp import model_state
 from cod_fast.run.checkpoint import latest_checkpoint, read_model_state
 from cod_fast.train.trainer import Trainer
 from tests.train.test_trainer import FAST, config

@@ -1,5 +1,5 @@
-"""The checker of NCCL's rules (cod_fast.dist.comm_check) and the recorder behind it
-(cod_fast.dist.comm_trace): each rule on small traces written by hand (flagged when broken, silent
+"""The checker of NCCL's rules (cod_fast.distributed.comm_check) and the recorder behind it
+(cod_fast.distributed.comm_trace): each rule on small traces written by hand (flagged when broken, silent
 when kept), the three defects of an asynchronous run with two trainers recorded from the code
 before they were fixed (commit eb02691), and the recorder on a real process group.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cod_fast.dist.comm_check import check, check_trace, split_calls
+from cod_fast.distributed.comm_check import check, check_trace, split_calls
 
 DATA = Path(__file__).parents[1] / "fixtures" / "comm_traces"
 
@@ -226,7 +226,7 @@ def test_the_defects_of_the_code_before_the_fixes_are_flagged(name, want):
 
 RECORDED = """
 import os, torch, torch.distributed as dist
-from cod_fast.dist import comm_trace
+from cod_fast.distributed import comm_trace
 assert comm_trace.install()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 dist.new_group([0], backend="gloo")

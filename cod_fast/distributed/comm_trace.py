@@ -1,5 +1,5 @@
 """A per-rank record of a run's torch.distributed traffic, for checking it against NCCL's rules
-on the CPU (cod_fast.dist.comm_check; docs/gpu.md, "Tested topologies, and NCCL's rules checked on
+on the CPU (cod_fast.distributed.comm_check; docs/gpu.md, "Tested topologies, and NCCL's rules checked on
 the CPU").
 
 `COD_FAST_COMM_TRACE=DIR` turns it on: `install()` (called by init_distributed before the

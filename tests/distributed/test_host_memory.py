@@ -1,4 +1,4 @@
-"""cod_fast.dist.host_memory: freed host memory stays in the process (Linux with glibc)."""
+"""cod_fast.distributed.host_memory: freed host memory stays in the process (Linux with glibc)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 SCRIPT = """
 import sys
 import numpy as np
-from cod_fast.dist.host_memory import keep_freed_memory
+from cod_fast.distributed.host_memory import keep_freed_memory
 if sys.argv[1] == "on":
     assert keep_freed_memory()
 def rss():
