@@ -1,4 +1,4 @@
-"""A few Chain-of-Discovery training steps on the CPU, top to bottom, without the Trainer.
+"""A few "connect the dots" (CoD) training steps on the CPU, top to bottom, without the Trainer.
 
 Every step plays packs of FrozenLake tasks with a tiny model (docs/concepts.md sections 1-2),
 turns their rewards into CoD advantages (section 3), packs the episodes into micro-batches
