@@ -40,10 +40,10 @@ class GenerateSampler:
     seed + calls inside fork_rng, which puts the caller's state back afterwards."""
 
     def __init__(self, model, tokenizer, *, temperature: float, top_p: float = 1.0, seed: int = 0):
-        from cod_fast.rollout.torch_sampler import _stop_ids
+        from cod_fast.rollout.torch_sampler import stop_ids
 
         self.model, self.temperature, self.top_p, self.seed = model, temperature, top_p, seed
-        self.stop_ids = _stop_ids(model, tokenizer)  # the torch sampler's stop set
+        self.stop_ids = stop_ids(model, tokenizer)  # the torch sampler's stop set
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.stop_ids, default=0)
         self.calls = 0
@@ -51,7 +51,7 @@ class GenerateSampler:
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
         import torch
 
-        from cod_fast.rollout.torch_sampler import left_pad
+        from cod_fast.rollout.torch_batch import left_pad
 
         if not prompts:
             return []

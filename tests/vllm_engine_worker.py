@@ -28,7 +28,7 @@ from cod_fast.model.policy import Policy
 from cod_fast.model.tokenizer import CHATML, char_tokenizer
 from cod_fast.ops import aggregation_denominator
 from cod_fast.rollout.chat import ChatFormat
-from cod_fast.rollout.torch_sampler import processed_logprobs
+from cod_fast.rollout.torch_batch import processed_logprobs
 from cod_fast.rollout.vllm_sampler import VLLMSampler, engine_support
 from cod_fast.train.step import train_step
 from tests.rollout_helpers import save_tiny_qwen3

@@ -46,17 +46,21 @@ import torch
 from cod_fast.common.rng import set_generator_state
 from cod_fast.rollout.fast_decode import FastDecoder, row_bucket, width_bucket
 from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms, sampler_calls
-from cod_fast.rollout.torch_batch import BUCKET_RATIO as BUCKET_RATIO
-from cod_fast.rollout.torch_batch import ModuleDecoder, Responses, cache_keyword, join, prefill
-from cod_fast.rollout.torch_batch import StaticRun as _StaticRun  # the sampler's own, not API
-from cod_fast.rollout.torch_batch import distinct_prompts as distinct_prompts
-from cod_fast.rollout.torch_batch import draw as draw
-from cod_fast.rollout.torch_batch import left_pad as left_pad
-from cod_fast.rollout.torch_batch import length_buckets as length_buckets
-from cod_fast.rollout.torch_batch import processed_logprobs as processed_logprobs
+from cod_fast.rollout.torch_batch import (
+    ModuleDecoder,
+    Responses,
+    StaticRun,
+    cache_keyword,
+    distinct_prompts,
+    draw,
+    join,
+    length_buckets,
+    prefill,
+    processed_logprobs,
+)
 
 
-def _stop_ids(model, tokenizer) -> frozenset[int]:
+def stop_ids(model, tokenizer) -> frozenset[int]:
     """The tokenizer's EOS and the model's generation-config EOS ids (Qwen lists several)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
@@ -99,7 +103,7 @@ class TorchSampler:
         self.model, self.tokenizer = model, tokenizer
         self.temperature, self.top_p = float(temperature), float(top_p)
         self.seed, self.max_batch_tokens = seed, max_batch_tokens
-        self.stop_ids = _stop_ids(model, tokenizer)
+        self.stop_ids = stop_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         # Padding is masked out, so any valid id will do.
         self.pad_id = pad if pad is not None else min(self.stop_ids, default=0)
@@ -121,7 +125,7 @@ class TorchSampler:
             )
         # Set by each call: "static shapes" (", CUDA graphs") or "compacting (why not static)".
         self.decode_steps = ""
-        self._static: _StaticRun | None = None  # the last call's buckets, reused by the next
+        self._static: StaticRun | None = None  # the last call's buckets, reused by the next
 
     # --- checkpointing -------------------------------------------------------------------------
 
@@ -288,7 +292,7 @@ class TorchSampler:
                 break
         return responses.samples()
 
-    def _static_run(self, decoder, rows: int, width: int, dtype) -> _StaticRun:
+    def _static_run(self, decoder, rows: int, width: int, dtype) -> StaticRun:
         """The last call's run when it has these buckets and the model's tensors are still
         where its graph reads them (an in-place update keeps them there; a replaced parameter
         does not), else a new one, the old one freed first (it holds a KV cache)."""
@@ -296,7 +300,7 @@ class TorchSampler:
         key = (rows, width, dtype, tuple(t.data_ptr() for t in tensors))
         if self._static is None or self._static.key != key:
             self._static = None
-            self._static = _StaticRun(
+            self._static = StaticRun(
                 decoder,
                 rows,
                 width,

@@ -11,10 +11,9 @@ folders before a run; what fits this machine (devices, memory, kernels) is the p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-from cod_fast.config import Config, ConfigError, clipped, shown
+from cod_fast.config import Config, ConfigError, EnvEntry, clipped, shown
 from cod_fast.envs.registry import environment_problem
 from cod_fast.rollout.judge_clients import judge_problem
 
@@ -22,8 +21,8 @@ from cod_fast.rollout.judge_clients import judge_problem
 def validate(cfg: Config, *, folders: bool = True) -> None:
     """Raise ConfigError (one line naming the dotted key) for a name in `cfg` that points at
     nothing: an environment, the judge, and with `folders` a model or tokenizer folder."""
-    for key, name in environment_names(cfg):
-        if problem := environment_problem(name):
+    for key, _, entry in environment_keys(cfg):
+        if problem := environment_problem(entry.name):  # type: ignore[arg-type]
             raise ConfigError(key, problem)
     if problem := judge_problem(cfg.rollout.judge):
         raise ConfigError("rollout.judge", problem)
@@ -31,15 +30,17 @@ def validate(cfg: Config, *, folders: bool = True) -> None:
         _check_folders(cfg)
 
 
-def environment_names(cfg: Config) -> Iterator[tuple[str, str]]:
-    """(dotted key, environment name) of every environment `cfg` rolls out (the keys of
-    algo.teachers are among them: `Config` checks that)."""
+def environment_keys(cfg: Config) -> list[tuple[str, str, EnvEntry]]:
+    """(key of its name, key of its options, entry) for every environment `cfg` rolls out, the
+    entries as `rollout.environments` resolves them (the keys of algo.teachers are among these
+    environments: `Config` checks that)."""
     rollout = cfg.rollout
-    if rollout.envs:
-        for i, entry in enumerate(rollout.envs):
-            yield f"rollout.envs[{i}].name", entry.name  # type: ignore[misc]
-    elif rollout.env is not None:
-        yield "rollout.env", rollout.env
+    if not rollout.envs:
+        return [("rollout.env", "rollout.env_options", rollout.environments[0])]
+    return [
+        (f"rollout.envs[{i}].name", f"rollout.envs[{i}].options", entry)
+        for i, entry in enumerate(rollout.environments)
+    ]
 
 
 def _check_folders(cfg: Config) -> None:

@@ -43,7 +43,7 @@ from cod_fast.rollout.hints import context_line
 from cod_fast.rollout.prompts import PROMPT_STYLES
 from cod_fast.rollout.vllm_sampler import head_dim, kv_bytes_per_token, kv_heads
 from cod_fast.run.log import summary_writer_class
-from cod_fast.run.validate import validate
+from cod_fast.run.validate import environment_keys, validate
 from cod_fast.run.vocab import run_tokenizer
 
 
@@ -80,18 +80,16 @@ def _made_environments(cfg: Config) -> list[Environment]:
     """The run's environments, made with their options (a path is imported here, the first
     time anything runs it; a learn2ask cases file is read and checked here, before anything is
     written); a ConfigError naming the key of the one that fails."""
-    rollout, envs = cfg.rollout, []
-    keys = [f"rollout.envs[{i}]" for i in range(len(rollout.envs))] or ["rollout.env"]
-    for key, entry in zip(keys, rollout.environments, strict=True):
+    envs = []
+    for key, options_key, entry in environment_keys(cfg):
         try:
             env_class(entry.name)  # type: ignore[arg-type]
         except ValueError as e:
-            raise ConfigError(key if key == "rollout.env" else f"{key}.name", str(e)) from None
+            raise ConfigError(key, str(e)) from None
         try:
             envs += make_envs([entry])
         except ValueError as e:
-            where = "rollout.env_options" if key == "rollout.env" else f"{key}.options"
-            raise ConfigError(where, f"environment {entry.name}: {e}") from None
+            raise ConfigError(options_key, f"environment {entry.name}: {e}") from None
     return envs
 
 
@@ -139,9 +137,7 @@ def _check_explorers(cfg: Config) -> None:
         fix = "set model.tokenizer=char, give model.tokenizer_path a saved tokenizer"
     else:
         return
-    rollout = cfg.rollout
-    keys = [f"rollout.envs[{i}].name" for i in range(len(rollout.envs))] or ["rollout.env"]
-    for key, entry in zip(keys, rollout.environments, strict=True):
+    for key, _, entry in environment_keys(cfg):
         if not env_class(entry.name).has_explorer():  # type: ignore[arg-type]
             raise ConfigError(
                 key,

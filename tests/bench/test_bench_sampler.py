@@ -17,7 +17,7 @@ from cod_fast.config import ModelConfig
 from cod_fast.config.io import load_config
 from cod_fast.model.loading import load_policy
 from cod_fast.rollout.chat import ChatFormat
-from cod_fast.rollout.torch_sampler import processed_logprobs
+from cod_fast.rollout.torch_batch import processed_logprobs
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,8 @@ from transformers import (
 
 from cod_fast.model.lean import make_lean
 from cod_fast.rollout.fast_decode import FastDecoder
-from cod_fast.rollout.torch_sampler import TorchSampler, distinct_prompts
+from cod_fast.rollout.torch_batch import distinct_prompts
+from cod_fast.rollout.torch_sampler import TorchSampler
 
 VOCAB, STOP = 13, 3  # a small vocabulary: random weights sample the stop token often
 SIZES = dict(

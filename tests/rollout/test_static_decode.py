@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cod_fast.rollout import torch_sampler
+from cod_fast.rollout import torch_batch
 from cod_fast.rollout.fast_decode import row_bucket, width_bucket
 from cod_fast.rollout.torch_sampler import TorchSampler
 from tests.rollout.test_fast_decode import TOKENIZER, VOCAB, assert_same_samples, saved_model
@@ -112,14 +112,14 @@ def test_static_steps_dispatch_the_same_ops_on_the_same_shapes(tmp_path, monkeyp
     recorded step is the same as running each (rows stop meanwhile, the column moves)."""
     model = saved_model(tmp_path, "qwen3", dtype=torch.float32)
     steps = []
-    decode_and_sample = torch_sampler._StaticRun._decode_and_sample
+    decode_and_sample = torch_batch.StaticRun._decode_and_sample
 
     def recorded(run):
         with _Recorder() as recorder:
             decode_and_sample(run)
         steps.append(recorder.ops)
 
-    monkeypatch.setattr(torch_sampler._StaticRun, "_decode_and_sample", recorded)
+    monkeypatch.setattr(torch_batch.StaticRun, "_decode_and_sample", recorded)
     prompts, caps = prompts_and_caps(seed=2)
     _, samples = sample(model, True, prompts, caps, top_p=0.9)
     assert len(steps) == max(len(s.token_ids) for s in samples) - 1 >= 5

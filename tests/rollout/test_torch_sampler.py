@@ -22,13 +22,8 @@ from cod_fast.model.tokenizer import CHATML, char_tokenizer
 from cod_fast.ops import linear_logprobs
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
-from cod_fast.rollout.torch_sampler import (
-    BUCKET_RATIO,
-    TorchSampler,
-    draw,
-    length_buckets,
-    processed_logprobs,
-)
+from cod_fast.rollout.torch_batch import BUCKET_RATIO, draw, length_buckets, processed_logprobs
+from cod_fast.rollout.torch_sampler import TorchSampler
 from tests.rollout_helpers import save_tiny_qwen3
 
 T = 0.7
