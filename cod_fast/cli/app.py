@@ -26,6 +26,7 @@ from cod_fast.cli.common import fail, refuse, show_tracebacks
 from cod_fast.cli.envs import envs_app
 from cod_fast.cli.evaluate import eval_command
 from cod_fast.cli.options import ConfigFileOption, PresetOption, SetOption, resolve_config
+from cod_fast.cli.plan import plan
 from cod_fast.cli.play import rollout_command
 from cod_fast.cli.train import distill, train
 from cod_fast.config import DERIVED
@@ -197,6 +198,7 @@ def export_command(
 app.command()(info)
 app.command()(train)
 app.command()(distill)
+app.command()(plan)
 app.command("export")(export_command)
 app.command("eval")(eval_command)
 app.command("rollout")(rollout_command)

@@ -15,6 +15,7 @@ With `share_prefix` a micro-batch is its sequences' prefix tree (cod_fast.data.p
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -145,6 +146,10 @@ class MicroBatch:
     shared-prefix layout the boundaries of the prefix tree's nodes (cod_fast.data.prefix_tree)."""
     max_seqlen: int
     """Longest sequence, or tree node (0 when empty)."""
+    seqlens: tuple[int, ...] | None = None
+    """[S] each sequence's (tree node's) length, cu_seqlens.diff() kept on the host: packed
+    attention cuts its blocks by them without reading cu_seqlens back from the device; None:
+    unknown (read from cu_seqlens, a host sync on a GPU)."""
     trainable_idx: torch.Tensor
     """[N] int64, the flattened row's position whose hidden state predicts each target, in the
     order of the sequences and their segments (ascending in the flat layout; in the shared-prefix
@@ -177,6 +182,9 @@ class MicroBatch:
     """Shared-prefix layout only: [S+1] int32, each node's block of `kv_index`."""
     max_seqlen_k: int = 0
     """Shared-prefix layout only: the longest block of `kv_index`."""
+    seqlens_k: tuple[int, ...] | None = None
+    """Shared-prefix layout only: [S] each node's block of `kv_index`, cu_seqlens_k.diff() kept
+    on the host (as `seqlens`)."""
     pair_rows: torch.Tensor | None = None
     """Shared-prefix layout, when some (trainable_idx, target) pairs repeat (members that wrote
     the same response): [P] the distinct pairs' rows, ascending (see ops.linear_loss.TokenPairs);
@@ -299,6 +307,7 @@ def build_microbatch(sequences: list[Sequence], share_prefix: bool = False) -> M
         position_ids=i64(positions),
         cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
         max_seqlen=max((node.length for node in tree.nodes), default=0),
+        seqlens=tuple(node.length for node in tree.nodes),
         trainable_idx=i64(trainable),
         targets=i64(targets),
         segment_ids=i64(segment_ids),
@@ -354,6 +363,7 @@ def _key_blocks(tree: Tree, offsets: list[int]) -> dict:
         "kv_index": torch.tensor(kv, dtype=torch.int64),
         "cu_seqlens_k": torch.tensor(cu, dtype=torch.int32),
         "max_seqlen_k": max(node.start + node.length for node in tree.nodes),
+        "seqlens_k": tuple(b - a for a, b in itertools.pairwise(cu)),
     }
 
 

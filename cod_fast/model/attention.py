@@ -15,6 +15,9 @@ unchanged:
   cod_fast.ops.varlen_attention, a C++ kernel over every sequence of the row for float32 on a
   CPU, else one `scaled_dot_product_attention` per sequence. Its cost is sum_s L_s^2, where a
   block-diagonal mask over the whole row would cost T^2 time and memory.
+  It cuts the row by the sequences' lengths, which the host must know: given the micro-batch's
+  own (`MicroBatch.seqlens`, through `packed_attention_kwargs`), it never reads cu_seqlens back
+  from the device.
 
 The registered names avoid every pattern transformers gives a meaning of its own (see
 `KERNELS`), so it installs them as they are.
@@ -36,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cod_fast.config import ConfigError
-from cod_fast.ops.varlen_attention import varlen_attention
+from cod_fast.ops.varlen_attention import BlockLengths, varlen_attention
 
 KERNELS = {"flash_attn": "cod_fa_varlen", "varlen_attn": "cod_torch_varlen", "sdpa": "cod_per_seq"}
 """model.attn_impl -> the name registered with transformers. transformers reads a meaning into
@@ -88,6 +91,8 @@ def packed_attention_kwargs(
     kv_index: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int = 0,
+    seqlens: tuple[int, ...] | None = None,
+    seqlens_k: tuple[int, ...] | None = None,
 ) -> dict:
     """The keyword arguments that make a decoder forward attend per sequence (the names of
     transformers' FlashAttentionKwargs, so its own flash-attention path reads them too).
@@ -99,10 +104,16 @@ def packed_attention_kwargs(
     The shared-prefix layout (cod_fast.data.prefix_tree) adds `kv_index`: block i of the queries
     (cu_seqlens) attends to the keys at kv_index[cu_seqlens_k[i]:cu_seqlens_k[i+1]], causally
     aligned at the end (the last query sees every key of its block).
+
+    `seqlens` (and `seqlens_k` with kv_index): the blocks' lengths on the host, as packed
+    (`MicroBatch.seqlens`). The per-sequence kernel cuts the row by them; without them it reads
+    offsets that are on a GPU back in every layer, a host sync each time.
     """
     cu = cu_seqlens.to(torch.int32)
     shared = kv_index is not None
     cu_k = cu_seqlens_k.to(device=cu.device, dtype=torch.int32) if shared else cu
+    key_offsets = cu_seqlens_k if shared else cu  # on the host still, when it was given so
+    lengths = _host_lengths(cu, key_offsets, seqlens, seqlens_k if shared else seqlens)
     kwargs = {
         "attention_mask": torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=cu.device),
         "cu_seq_lens_q": cu,
@@ -112,7 +123,20 @@ def packed_attention_kwargs(
     }
     if shared:
         kwargs["cod_kv_index"] = kv_index.to(cu.device)
+    if lengths is not None:
+        kwargs["cod_block_lengths"] = lengths
     return kwargs
+
+
+def _host_lengths(cu_q, cu_k, seqlens, seqlens_k) -> BlockLengths | None:
+    """The blocks' (query, key) lengths on the host: those given, else read from offsets on the
+    CPU (free); None when one is unknown and its offsets are on a device. Reading those here
+    would make every kernel wait, the CUDA varlen kernels too, which never need the lengths."""
+    if seqlens is None and cu_q.device.type == "cpu":
+        seqlens = cu_q.diff().tolist()
+    if seqlens_k is None and cu_k.device.type == "cpu":
+        seqlens_k = cu_k.diff().tolist()
+    return None if seqlens is None or seqlens_k is None else (seqlens, seqlens_k)
 
 
 @functools.cache
@@ -171,7 +195,8 @@ def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kw
     cu_k = cu_q if cu_k is None else cu_k.to(device=q.device, dtype=torch.int32)
     kv_index = kwargs.get("cod_kv_index")  # shared prefixes: the key rows of each block
     if kernel == "sdpa":
-        out = varlen_attention(q, k, v, cu_q, cu_k, kv_index, scaling)
+        lengths = kwargs.get("cod_block_lengths")  # None: read from cu_q and cu_k
+        out = varlen_attention(q, k, v, cu_q, cu_k, kv_index, scaling, lengths=lengths)
     else:
         if kv_index is not None:
             k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)

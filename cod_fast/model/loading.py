@@ -362,7 +362,13 @@ def packed_hidden_states(model, mb: MicroBatch) -> torch.Tensor:
     if model.config._attn_implementation in KERNELS.values():
         cu = mb.cu_seqlens.to(param.device)  # the key blocks follow it to its device
         attention = packed_attention_kwargs(
-            cu, mb.max_seqlen, mb.kv_index, mb.cu_seqlens_k, mb.max_seqlen_k
+            cu,
+            mb.max_seqlen,
+            mb.kv_index,
+            mb.cu_seqlens_k,
+            mb.max_seqlen_k,
+            seqlens=mb.seqlens,
+            seqlens_k=mb.seqlens_k,
         )
     else:
         tree = None if mb.kv_index is None else (mb.kv_index, mb.cu_seqlens_k, mb.position_ids)

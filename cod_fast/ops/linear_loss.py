@@ -15,8 +15,9 @@ the distinct pairs are at most DEDUPE_SHARE of the tokens. Finding the distinct 
 device (torch.unique) waits for it; a caller that knows them (cod_fast.data.packing finds them on the
 host while it packs) passes them as `pairs`.
 
-Host syncs. With `num_segments`, `check_targets=False` and, for repeated rows, `pairs`, the loss
-and its backward never wait for the device (tests/ops/test_host_syncs.py counts them).
+Host syncs. With `num_segments` and, for repeated rows, `pairs`, the loss and its backward never
+wait for the device (tests/ops/test_host_syncs.py counts them). The targets' range check waits
+for nothing either: on CUDA it is a device-side assert (cod_fast.ops.logprobs.check_target_range).
 """
 
 from __future__ import annotations
@@ -103,9 +104,13 @@ def linear_policy_loss(
     `entropy_coef` [N]: each token's weight of the entropy bonus (update-episode tokens may have
     their own, LossConfig.update_entropy_coef) instead of `config.entropy_coef` on every token.
 
-    `num_segments`: segment_ids are compact, 0..num_segments-1 (see `LossInputs`).
-    `check_targets=False`: the caller has made sure every target lies in [0, V). Both spare a
-    host sync (see the module docstring).
+    `num_segments`: segment_ids are compact, 0..num_segments-1 (see `LossInputs`); it spares a
+    host sync (see the module docstring). `check_targets`: every target must lie in [0, V). On
+    the CPU an id outside raises a ValueError at once; on CUDA it trips a device-side assert,
+    reported asynchronously by a later call that waits for the device, and the process's CUDA
+    context is unusable after it (see cod_fast.ops.logprobs.check_target_range). False: the
+    caller has made sure of it (cod_fast.model.policy checks the micro-batch's largest target on
+    the host), which spares the check's few kernel launches.
     """
     num_tokens, repeat = targets.shape[0], None
     if rows is not None:

@@ -26,8 +26,8 @@ def check_logprob_inputs(
     temperature: float,
     check_targets: bool = True,
 ) -> None:
-    """Shape, dtype and range checks shared by every implementation; the targets' range (which
-    reads them on the host: a device sync) unless `check_targets` is False."""
+    """Shape, dtype and range checks shared by every implementation; the targets' range (see
+    `check_target_range`) unless `check_targets` is False."""
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(
             f"expected hidden [N, H], weight [V, H], targets [N]; got "
@@ -40,17 +40,37 @@ def check_logprob_inputs(
         )
     if targets.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"targets must be int32 or int64 token ids, got {targets.dtype}")
-    if (
-        check_targets
-        and targets.numel()
-        and (int(targets.min()) < 0 or int(targets.max()) >= weight.shape[0])
-    ):
-        raise ValueError(
-            f"target ids must lie in [0, {weight.shape[0]}) (the LM head's "
-            f"vocabulary); got min {int(targets.min())}, max {int(targets.max())}"
-        )
+    if check_targets:
+        check_target_range(targets, weight.shape[0])
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def check_target_range(targets: torch.Tensor, vocab: int) -> None:
+    """Every target id lies in [0, vocab), checked without waiting for the device.
+
+    The check is a device-side assert, `torch._assert_async` (torch/_torch_docs.py; the kernels
+    are aten/src/ATen/native/TensorCompare.cpp and native/cuda/TensorCompare.cu), on one bool
+    computed on the targets' device. On the CPU it runs at once: an id outside raises a
+    ValueError here. On CUDA it queues a one-thread kernel and the host goes on; an id outside
+    fails that kernel's assert, and torch reports it asynchronously: a RuntimeError "CUDA error:
+    device-side assert triggered" from a later call that waits for the device (reading the step's
+    totals, say), not from this one, after which the process's CUDA context is unusable and the
+    process must restart (CUDA_LAUNCH_BLOCKING=1 makes the failing call raise). A caller that
+    knows the largest id from packing checks it on the host instead and passes
+    check_targets=False (cod_fast.model.policy).
+    """
+    if not targets.numel():
+        return
+    low, high = torch.aminmax(targets)
+    in_range = (low >= 0) & (high < vocab)
+    message = f"target ids must lie in [0, {vocab}) (the LM head's vocabulary)"
+    try:
+        torch._assert_async(in_range, message)
+    except RuntimeError:
+        if targets.device.type != "cpu":  # a launch error: not this check's to explain
+            raise
+        raise ValueError(f"{message}; got min {int(low)}, max {int(high)}") from None
 
 
 def linear_logprobs(
@@ -71,8 +91,9 @@ def linear_logprobs(
     in hidden and weight; the [N, V] logits are never materialised. ``chunk_size`` overrides the
     number of rows per chunk (tests use it to exercise the chunk loop). ``check_targets=False``
     skips the check that every target lies in [0, V), for a caller that has made sure of it
-    (cod_fast.data.packing's micro-batches carry their largest target): the check reads the targets
-    on the host, a device sync.
+    (cod_fast.data.packing's micro-batches carry their largest target). The check waits for
+    nothing: on CUDA an id outside is a device-side assert, reported asynchronously (see
+    `check_target_range`).
     """
     check_logprob_inputs(hidden, weight, targets, temperature, check_targets)
     dtype = compute_dtype(hidden, weight)

@@ -40,7 +40,10 @@ mask, -inf on the left padding and on the columns not written yet. Rows that sto
 batch and compute on finite leftovers that nobody reads. Every step is then the same kernels on
 the same buffers, so `CapturedStep` records it as a CUDA graph and replays it: the weights are
 read by address, so in-place weight updates are seen and a replaced parameter needs a new graph
-(the sampler keys its graph on the parameters' data_ptr).
+(the sampler keys its graphs on the parameters' data_ptr). The keys and values of every bucket
+are views of one `KVStorage`, sized for the largest bucket (rows x width) seen: a bucket costs
+no KV memory of its own, and a memory plan counts row_bucket(rows) x width_bucket(columns) x
+layers x 2 x kv_heads x head_dim x itemsize bytes for the sampler's cache.
 """
 
 from __future__ import annotations
@@ -289,23 +292,62 @@ class FastDecoder:
         return F.linear(product, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
+class KVStorage:
+    """The static path's keys and values: one flat buffer per layer for each, shared by every
+    (rows, width) bucket. A bucket's cache is a view of the first rows x kv_heads x width x d
+    elements of each buffer (`views`): calls run one at a time, so two buckets never hold live
+    data at once, and a bucket's steps read only the columns its `StaticCache.load` and its own
+    steps wrote (another bucket's leftovers lie under the -inf mask, weight exactly 0). A
+    captured graph reads these addresses, so storage that grows is new storage, and every graph
+    recorded on the old one goes with it (`cod_fast.rollout.torch_batch.StaticRuns`)."""
+
+    def __init__(self, layers: int, numel: int, dtype, device):
+        # Zeros, not empty: masked columns are multiplied by 0 weights, and 0 * NaN is NaN.
+        self.keys = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(layers)]
+        self.numel, self.dtype, self.device = numel, dtype, torch.device(device)
+
+    def fits(self, numel: int, dtype, device) -> bool:
+        """Whether a bucket of `numel` elements per layer in `dtype` on `device` fits here."""
+        return numel <= self.numel and dtype == self.dtype and torch.device(device) == self.device
+
+    def nbytes(self) -> int:
+        """Bytes held: layers x 2 (keys, values) x numel x itemsize."""
+        return 2 * len(self.keys) * self.numel * self.keys[0].element_size()
+
+    def views(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(keys, values): every layer's first prod(shape) elements as contiguous `shape`."""
+        numel = math.prod(shape)
+        if numel > self.numel:
+            raise ValueError(
+                f"KVStorage: a {shape} cache needs {numel} elements, it holds {self.numel}"
+            )
+        return (
+            [k[:numel].view(shape) for k in self.keys],
+            [v[:numel].view(shape) for v in self.values],
+        )
+
+
 class StaticCache:
     """A FastDecoder's decode state in buffers of one shape (see the module docstring): keys
-    and values [rows, kv_heads, width, d] per layer, the additive attention mask [rows, width],
-    the input tokens and positions [rows, 1] and the column [1] that the next step writes.
-    `step` reads and advances them in place, with the same kernels on the same buffers at
-    every step, so it can run as a CUDA graph."""
+    and values [rows, kv_heads, width, d] per layer (views of `storage`), the additive attention
+    mask [rows, width], the input tokens and positions [rows, 1] and the column [1] that the next
+    step writes. `step` reads and advances them in place, with the same kernels on the same
+    buffers at every step, so it can run as a CUDA graph."""
 
-    def __init__(self, decoder: FastDecoder, rows: int, width: int, dtype, device):
+    def __init__(self, decoder: FastDecoder, rows: int, width: int, storage: KVStorage):
         self.decoder = decoder
-        shape = (rows, decoder.kv_heads, width, decoder.head_dim)
-        # Zeros, not empty: masked columns are multiplied by 0 weights, and 0 * NaN is NaN.
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in decoder.layers]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in decoder.layers]
+        dtype, device = storage.dtype, storage.device
+        self.keys, self.values = storage.views((rows, decoder.kv_heads, width, decoder.head_dim))
         self.bias = torch.zeros(rows, width, dtype=dtype, device=device)
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.col = torch.zeros(1, dtype=torch.long, device=device)
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers this bucket owns (the mask, tokens, positions and column; the
+        keys and values belong to the storage)."""
+        return sum(t.nbytes for t in (self.bias, self.tokens, self.positions, self.col))
 
     def load(self, cache, mask: torch.Tensor, next_pos: torch.Tensor, index: torch.Tensor):
         """Take over the rows `index` [rows] (repeats allowed) of a prefilled cache (keys and
@@ -353,9 +395,20 @@ class CapturedStep:
     """`step()`, a function of fixed buffers only, recorded once as a CUDA graph; calling this
     replays it (one launch for the whole step). Recording runs `step` once first, on a side
     stream as torch.cuda.graphs asks (cuBLAS handles and workspaces are made outside the
-    capture): call it before the buffers hold real data."""
+    capture): call it before the buffers hold real data.
 
-    def __init__(self, step):
+    The graph's intermediates come from the memory pool `pool` (a new one, torch.cuda's
+    graph_pool_handle(), when None); `self.pool` is the pool it used, for the next capture to
+    share. Graphs in one pool may replay in any order as long as they never replay at once and
+    none reads another's intermediates (torch/cuda/graphs.py, `graph`'s `pool` argument;
+    pytorch/pytorch#166975): a step leaves nothing in the pool, its results are written into
+    buffers allocated before the capture. Every capture here uses `torch.cuda.graph`'s one
+    default capture stream, as the same docstring asks of captures that share a pool. A pool
+    whose graphs are all gone cannot take another capture (c10/cuda/CUDACachingAllocator.cpp,
+    `create_or_incref_pool` asserts use_count > 0): start a new one then."""
+
+    def __init__(self, step, pool=None):
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -364,7 +417,7 @@ class CapturedStep:
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (a data loader, a checkpoint writer) during
         # the capture are theirs, not the graph's.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
 
     def __call__(self) -> None:

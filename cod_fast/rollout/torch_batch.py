@@ -7,7 +7,8 @@ serves the whole call. Each step draws from the processed distribution (temperat
 by inverse CDF, and `Responses` keeps the drawn tokens, log-probs and finish reasons. The steps
 run through fast_decode.FastDecoder, through `ModuleDecoder` (the model's own forward) for
 architectures it does not cover, or, with static shapes, through a `StaticRun`: one
-(rows, width) bucket whose step may be replayed as a CUDA graph.
+(rows, width) bucket whose step may be replayed as a CUDA graph, kept across calls by
+`StaticRuns` with the KV storage every bucket shares.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from cod_fast.rollout.fast_decode import CapturedStep, StaticCache
+from cod_fast.rollout.fast_decode import KVStorage, StaticCache
 from cod_fast.rollout.sampler import Sample
 
 BUCKET_RATIO = 1.25
@@ -204,30 +205,35 @@ class ModuleDecoder:
 
 
 class StaticRun:
-    """One (rows, width) bucket of `TorchSampler._decode_static`: the StaticCache, the
-    sampling buffers, and the step (decode, then draw) as a CUDA graph or run eagerly. Row i's
-    uniform for this step is in `uniforms`; the device tracks which rows are still decoding
-    (`alive`) to hand the generator's draws to the live rows in order."""
+    """One (rows, width) bucket of `TorchSampler._decode_static`: the StaticCache (its keys and
+    values views of `storage`), the sampling buffers, and the step (decode, then draw), run
+    eagerly or, with `capture` (fast_decode.CapturedStep or a stand-in with its interface),
+    recorded into the memory pool `pool` and replayed. Row i's uniform for this step is in
+    `uniforms`; the device tracks which rows are still decoding (`alive`) to hand the
+    generator's draws to the live rows in order.
+
+    The small buffers are the bucket's own, not views of shared storage as the keys and values
+    are: a graph reads its buffers by address, so they live as long as the graph, and they are
+    O(rows x width) bytes, the KV share's 1 / (layers x 2 x kv_heads x head_dim)."""
 
     def __init__(
         self,
         decoder,
         rows: int,
         width: int,
-        dtype,
-        key,
+        storage: KVStorage,
         *,
         temperature: float,
         top_p: float,
         generator: torch.Generator,
         stop_ids: frozenset[int],
-        cuda_graphs: bool,
-        device: torch.device,
+        capture=None,
+        pool=None,
     ):
-        self.key = key
         self.temperature, self.top_p = temperature, top_p
         self.generator = generator
-        self.cache = StaticCache(decoder, rows, width, dtype, device)
+        device = storage.device
+        self.cache = StaticCache(decoder, rows, width, storage)
         self.uniforms = torch.zeros(rows, dtype=torch.float64, device=device)
         self.fresh = torch.zeros(rows, dtype=torch.float64, device=device)  # the live rows'
         self.alive = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -236,9 +242,14 @@ class StaticRun:
         self.stops = torch.tensor(sorted(stop_ids) or [-1], device=device)
         self.out = torch.zeros(rows, 2, dtype=torch.float64, device=device)  # token, log-prob
         # Recorded on these buffers before any call loads them (the recording runs a step).
-        self.step = (
-            CapturedStep(self._decode_and_sample) if cuda_graphs else self._decode_and_sample
-        )
+        self.graph = None if capture is None else capture(self._decode_and_sample, pool)
+        self.step = self._decode_and_sample if self.graph is None else self.graph
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers this bucket owns: the StaticCache's mask, tokens, positions and
+        column, and the sampling buffers (the keys and values are the storage's)."""
+        own = (self.uniforms, self.fresh, self.alive, self.caps, self.drawn, self.stops, self.out)
+        return self.cache.nbytes() + sum(t.nbytes for t in own)
 
     def load(self, cache, mask, next_pos, index: torch.Tensor, caps: list[int]) -> None:
         """A call's prefilled rows `index` (one per batch row) and the caps of its responses
@@ -273,3 +284,78 @@ class StaticRun:
 
     def _decode_and_sample(self) -> None:
         self.sample(self.cache.step())
+
+
+class StaticRuns:
+    """The static path's state across a sampler's calls: one `KVStorage` that every bucket's
+    keys and values view, and a `StaticRun` per (rows, width) bucket, its step recorded by
+    `capture` (None: steps run eagerly) into one memory pool that all of them share.
+
+    A bucket is recorded once, then replayed by every call with its shape, until one of these
+    drops every run (and so every graph, and the pool with them): a bucket that does not fit the
+    storage (more elements, or another dtype) replaces it, sized for that bucket, and the graphs
+    read the old addresses; a parameter or buffer of the model at a new address (replaced, not
+    updated in place) makes the weights the graphs read stale. Without `capture` a cache buys
+    nothing once the call is over (no graph reads its addresses), so `finish` frees everything.
+    Each capture starts with a device synchronize and torch.cuda.empty_cache()
+    (torch/cuda/graphs.py, `graph.__enter__`): keeping every bucket's graph records each bucket
+    once between two `release`s (the trainer's sleep() before each training step), however
+    often a rollout's calls move between buckets as prompts grow and live rows shrink."""
+
+    def __init__(self, capture=None):
+        self.capture = capture
+        self.storage: KVStorage | None = None
+        self.runs: dict[tuple[int, int], StaticRun] = {}
+        self.weights: tuple = ()  # the data_ptrs the runs' graphs read
+        self.pool = None  # the memory pool of the runs' graphs
+        self.captures = 0  # graphs recorded so far
+
+    def run(
+        self, decoder, rows: int, width: int, *, dtype, device, weights: tuple, **sampling
+    ) -> StaticRun:
+        """The run of bucket (rows, width) for `decoder`'s model, its cache in `dtype` on
+        `device`, the model's tensors at `weights` (their data_ptrs); `sampling`: StaticRun's
+        sampling arguments (the sampler's own, the same at every call)."""
+        if weights != self.weights:
+            self.drop_runs()
+            self.weights = weights
+        numel = rows * decoder.kv_heads * width * decoder.head_dim
+        if self.storage is None or not self.storage.fits(numel, dtype, device):
+            self.drop_runs()
+            self.storage = None  # the old storage is freed before the new one is allocated
+            self.storage = KVStorage(len(decoder.layers), numel, dtype, device)
+        run = self.runs.get((rows, width))
+        if run is None:
+            run = StaticRun(
+                decoder, rows, width, self.storage, capture=self.capture, pool=self.pool, **sampling
+            )
+            if run.graph is not None:
+                self.pool = run.graph.pool
+                self.captures += 1
+            self.runs[rows, width] = run
+        return run
+
+    def finish(self) -> None:
+        """A call is over: without graphs, free everything (see the class docstring)."""
+        if self.capture is None:
+            self.release()
+
+    def drop_runs(self) -> None:
+        """Forget every bucket's run and graph, and their pool (a pool whose graphs are gone
+        takes no further capture: fast_decode.CapturedStep)."""
+        self.runs = {}
+        self.pool = None
+
+    def release(self) -> None:
+        """Free the storage, the runs, their graphs and pool."""
+        self.drop_runs()
+        self.storage = None
+        self.weights = ()
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers held now: the KV storage (layers x 2 x kv_heads x head_dim x
+        itemsize x the largest bucket's rows x width) and each run's own buffers (`StaticRun.
+        nbytes`). The graphs' pool (one step's intermediates, shared by the graphs) is not
+        counted: its size is the allocator's to know."""
+        storage = 0 if self.storage is None else self.storage.nbytes()
+        return storage + sum(run.nbytes() for run in self.runs.values())

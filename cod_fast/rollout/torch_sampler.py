@@ -25,7 +25,10 @@ masked rather than removed, each step's tokens and log-probs read in one transfe
 (decode, then draw) replayed as a CUDA graph. A small model's step there is launch-bound, and
 compaction would change the shapes whenever a row stops; on a CPU a stopped row's compute is
 real time, so the CPU default compacts. A row gets the same uniforms either way, so both draw
-the same tokens up to their kernels' rounding.
+the same tokens up to their kernels' rounding. Every bucket's graph is kept
+(`torch_batch.StaticRuns`), its KV cache a view of one storage sized for the largest bucket,
+until `sleep()` (before every training step) frees them all; without graphs the cache is freed
+as each call returns. `held_bytes()` and `captures` say what the sampler holds and how often it recorded.
 
 Randomness comes from the sampler's own generator, never the global RNG: the trainer's
 bit-for-bit resume depends on the global state, and `state_dict` lets a resumed run draw the
@@ -44,12 +47,13 @@ import numpy as np
 import torch
 
 from cod_fast.common.rng import set_generator_state
-from cod_fast.rollout.fast_decode import FastDecoder, row_bucket, width_bucket
+from cod_fast.rollout.fast_decode import CapturedStep, FastDecoder, row_bucket, width_bucket
 from cod_fast.rollout.sampler import Sample, key_streams, keyed_uniforms, sampler_calls
 from cod_fast.rollout.torch_batch import (
     ModuleDecoder,
     Responses,
     StaticRun,
+    StaticRuns,
     cache_keyword,
     distinct_prompts,
     draw,
@@ -125,7 +129,9 @@ class TorchSampler:
             )
         # Set by each call: "static shapes" (", CUDA graphs") or "compacting (why not static)".
         self.decode_steps = ""
-        self._static: StaticRun | None = None  # the last call's buckets, reused by the next
+        # The static path's buckets and KV storage (graphs recorded by `capture`), kept between
+        # calls with CUDA graphs.
+        self.static_runs = StaticRuns(capture=CapturedStep if self.cuda_graphs else None)
 
     # --- checkpointing -------------------------------------------------------------------------
 
@@ -267,20 +273,26 @@ class TorchSampler:
         """`_decode` with every step on one (rows, width) bucket (fast_decode's StaticCache):
         stopped rows stay in the batch, masked, and each step reads the host once. The same
         samples as `_decode`: a row's uniforms are the ones `_decode` gives it."""
-        n, steps = len(caps), max(caps)
-        rows = row_bucket(n)
-        dtype = cache.layers[0].keys.dtype
-        run = self._static_run(decoder, rows, width_bucket(mask.shape[1] + steps), dtype)
-        # Batch row i is response i; the padding rows repeat response 0's prompt.
-        index = torch.tensor(starts + starts[:1] * (rows - n), device=self.device)
-        run.load(cache, mask, next_pos, index, caps)
-        table = None if streams is None else self._uniform_table(streams, steps, rows)
+        rows, steps = row_bucket(len(caps)), max(caps)
+        try:
+            run = self._static_run(decoder, rows, width_bucket(mask.shape[1] + steps), cache)
+            # Batch row i is response i; the padding rows repeat response 0's prompt.
+            index = torch.tensor(starts + starts[:1] * (rows - len(caps)), device=self.device)
+            run.load(cache, mask, next_pos, index, caps)
+            table = None if streams is None else self._uniform_table(streams, steps, rows)
+            return self._static_steps(run, logits.index_select(0, index), caps, table)
+        finally:
+            self.static_runs.finish()
+
+    def _static_steps(self, run: StaticRun, logits, caps: list[int], table) -> list[Sample]:
+        """Sample on a loaded `run` from the first step's `logits` [rows, V] until every row
+        stopped or reached its cap; `table`: the keyed uniforms (None: the generator's)."""
         responses = Responses(caps, self.stop_ids)
-        live = list(range(n))
-        for step in range(steps):
+        live = list(range(len(caps)))
+        for step in range(max(caps)):
             run.set_uniforms(step, len(live), table)
             if step == 0:
-                run.sample(logits.index_select(0, index))
+                run.sample(logits)
             else:
                 run.step()
             drawn = run.out.tolist()  # the step's one host read: [token, log-prob] per row
@@ -292,28 +304,24 @@ class TorchSampler:
                 break
         return responses.samples()
 
-    def _static_run(self, decoder, rows: int, width: int, dtype) -> StaticRun:
-        """The last call's run when it has these buckets and the model's tensors are still
-        where its graph reads them (an in-place update keeps them there; a replaced parameter
-        does not), else a new one, the old one freed first (it holds a KV cache)."""
+    def _static_run(self, decoder, rows: int, width: int, cache) -> StaticRun:
+        """The run of bucket (rows, width) for a prefilled `cache`: kept from an earlier call
+        while the model's tensors are still where its graph reads them (an in-place update keeps
+        them there; a replaced parameter does not) and the storage it views was not replaced,
+        else a new one."""
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
-        key = (rows, width, dtype, tuple(t.data_ptr() for t in tensors))
-        if self._static is None or self._static.key != key:
-            self._static = None
-            self._static = StaticRun(
-                decoder,
-                rows,
-                width,
-                dtype,
-                key,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                generator=self.generator,
-                stop_ids=self.stop_ids,
-                cuda_graphs=self.cuda_graphs,
-                device=self.device,
-            )
-        return self._static
+        return self.static_runs.run(
+            decoder,
+            rows,
+            width,
+            dtype=cache.layers[0].keys.dtype,
+            device=self.device,
+            weights=tuple(t.data_ptr() for t in tensors),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            generator=self.generator,
+            stop_ids=self.stop_ids,
+        )
 
     def _uniform_table(self, streams, steps: int, rows: int) -> torch.Tensor:
         """[steps, rows] float64: every step's keyed uniforms, copied to the device at once
@@ -372,8 +380,26 @@ class TorchSampler:
 
     # --- memory --------------------------------------------------------------------------------
 
+    def held_bytes(self) -> int:
+        """Bytes of buffers the sampler holds now, between calls: the static path's KV storage
+        and its buckets' own buffers (torch_batch.StaticRuns.held_bytes); 0 without CUDA graphs,
+        and after sleep() or close(). The model's weights are not counted."""
+        return self.static_runs.held_bytes()
+
+    @property
+    def captures(self) -> int:
+        """How many decode-step graphs the sampler has recorded so far."""
+        return self.static_runs.captures
+
     def sleep(self) -> None:
-        """Nothing to free: the model is the trainer's own, or a copy that keeps its weights."""
+        """Free the static path's KV storage, CUDA graphs and their memory pool, for the training
+        step (the trainer calls this before each); the next call records its graphs again. The
+        memory goes back to torch's caching allocator, where training's allocations reuse it;
+        the graphs' pool is returned at the allocator's next release, which an allocation that
+        would otherwise fail triggers (c10/cuda/CUDACachingAllocator.cpp, graph_pools_freeable).
+        The model is the trainer's own, or a copy that keeps its weights."""
+        self.static_runs.release()
 
     def close(self) -> None:
-        """Nothing to free: the model belongs to whoever made the sampler."""
+        """Free what sleep() frees; the model belongs to whoever made the sampler."""
+        self.static_runs.release()

@@ -35,6 +35,7 @@ from cod_fast.model.loading import (
     resolve_dtype,
     tiny_qwen3_config,
 )
+from cod_fast.model.shapes import model_shape, shape_of
 from cod_fast.ops import dispatch
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import choose_sampler
@@ -45,6 +46,7 @@ from cod_fast.rollout.vllm_sampler import head_dim, kv_bytes_per_token, kv_heads
 from cod_fast.run.log import summary_writer_class
 from cod_fast.run.validate import environment_keys, validate
 from cod_fast.run.vocab import run_tokenizer
+from cod_fast.train.memory_plan import check_fits, plan_memory
 
 
 def preflight(cfg: Config) -> None:
@@ -70,6 +72,9 @@ def preflight(cfg: Config) -> None:
     model = _check_model(cfg)
     if model is not None:
         _check_sampler_memory(cfg, model, world_size)
+    device = resolve_device(cfg.runtime.device)
+    if device.type == "cuda":
+        check_plan(cfg, model, world_size, device_memory(device))
     # Only the main process writes the tokenizer (run_tokenizer); the others would train their
     # own copy here for nothing, and the main process's refusal ends the run for all of them.
     if world_size == 1 or _environment_int("RANK", 0) == 0:
@@ -216,6 +221,19 @@ def _check_sampler_memory(cfg: Config, model, world_size: int) -> None:
             f"{gib(memory)} "
             f"of the {device.type} here; lower {fewer} or rollout.max_response_tokens",
         )
+
+
+def check_plan(cfg: Config, model, world_size: int, memory: int) -> None:
+    """The run's memory plan (cod_fast.train.memory_plan) on GPUs of `memory` bytes: a
+    ConfigError naming the phase, its largest part and the setting that shrinks it when the
+    peak does not fit. `model`: the model's transformers config (None: a hub id, whose sizes
+    the plan knows only for the models of cod_fast.model.shapes.KNOWN_CONFIGS)."""
+    try:
+        shape = shape_of(model, cfg.model.name_or_path) if model else model_shape(cfg.model)
+        sampler, _ = choose_sampler(cfg.rollout.sampler, "cuda", shape.head_dim)
+    except (ModelFolderError, ValueError):
+        return  # an unknown hub id, a sampler that cannot run: refused elsewhere, or no plan
+    check_fits(plan_memory(cfg, shape, gpus=world_size, memory=memory, sampler=sampler))
 
 
 def _check_device_dtype(cfg: Config) -> None:

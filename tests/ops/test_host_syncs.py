@@ -6,11 +6,15 @@ the caller knows instead (segment count, target range, repeated pairs; the packe
 the host), and `cod_fast.bench.dispatch_count.DispatchCounter` sees every dispatched op, so these
 counts on the CPU are those of the same code on CUDA. The step's one intended wait, reading its
 totals with `.tolist()`, dispatches nothing on a CPU tensor; the optimizer's own step-count reads
-are of host tensors on CUDA, so the step is counted without them.
+are of host tensors on CUDA, so the step is counted without them. Since a CPU tensor's `.tolist()`
+escapes the count, packed attention is also run on the meta device, whose tensors cannot be read
+back at all. The targets' range check is a device assert (`aten._assert_async`): a kernel on CUDA,
+no wait.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -19,8 +23,11 @@ import torch
 from cod_fast import LossConfig
 from cod_fast.bench.dispatch_count import DispatchCounter
 from cod_fast.data.packing import build_microbatch
+from cod_fast.model.attention import packed_attention_kwargs
+from cod_fast.model.loading import packed_hidden_states
 from cod_fast.model.policy import Policy
 from cod_fast.ops import linear_policy_loss
+from cod_fast.ops.dispatch import is_available
 from cod_fast.ops.linear_loss import TokenPairs
 from cod_fast.train.step import train_step
 from tests.data.test_prefix_sharing import _group_sequences, _model
@@ -35,6 +42,18 @@ CONFIGS = {
     ),
     "opd-entropy": LossConfig(policy="opd", entropy_coef=0.01),
 }
+
+INTERPRETED_TRITON = os.environ.get("TRITON_INTERPRET") == "1" and is_available("triton")
+TARGET_CHECK_IMPLS = [
+    "torch",
+    "cpp",
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not INTERPRETED_TRITON, reason="counted on the CPU: needs TRITON_INTERPRET=1"
+        ),
+    ),
+]
 
 
 def loss_inputs(seed: int, n: int = 41, h: int = 24, v: int = 67):
@@ -67,18 +86,96 @@ def run(impl, cfg, args, segments, kwargs, **known):
 @pytest.mark.parametrize("impl", ["torch", "cpp"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_the_loss_and_its_backward_never_wait_given_what_the_caller_knows(impl, name):
-    """With num_segments and check_targets=False: no host sync in forward + backward, and the
-    same loss and gradients as the call that finds those things out itself (which does sync)."""
+    """With num_segments (and the default target check): no host sync in forward + backward,
+    and the same loss and gradients as the call that counts the segments itself (which syncs)."""
     cfg = CONFIGS[name]
     args, segments, num_segments, kwargs = loss_inputs(seed=len(name))
-    known = dict(num_segments=num_segments, check_targets=False)
-    count, loss, grad_h, grad_w = run(impl, cfg, args, segments, kwargs, **known)
+    count, loss, grad_h, grad_w = run(impl, cfg, args, segments, kwargs, num_segments=num_segments)
     assert count.syncs == []
     plain, loss0, grad_h0, grad_w0 = run(impl, cfg, args, segments, kwargs)
-    assert "aten._unique2" in plain.syncs and "aten._local_scalar_dense" in plain.syncs
+    assert plain.syncs == ["aten._unique2"]
     torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad_h, grad_h0, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad_w, grad_w0, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", TARGET_CHECK_IMPLS)
+def test_the_default_target_check_waits_for_nothing(impl):
+    """The default check that targets lie in [0, V) reads nothing back in forward + backward
+    (on a CPU `_local_scalar_dense` is dispatched even where it does not wait, so none is seen
+    here means none on CUDA) and is still made, as a device assert (`aten._assert_async`, a
+    kernel on CUDA, no wait); the loss and gradients are those of check_targets=False."""
+    cfg = CONFIGS["ppo-tis-k3"]
+    args, segments, num_segments, kwargs = loss_inputs(seed=11, n=19, h=16, v=37)
+    checked = run(impl, cfg, args, segments, kwargs, num_segments=num_segments)
+    unchecked = run(
+        impl, cfg, args, segments, kwargs, num_segments=num_segments, check_targets=False
+    )
+    assert checked[0].syncs == [] and checked[0].ops["aten._local_scalar_dense"] == 0
+    assert checked[0].ops["aten._assert_async"] == 1 and unchecked[0].ops["aten._assert_async"] == 0
+    for a, b in zip(checked[1:], unchecked[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", TARGET_CHECK_IMPLS)
+@pytest.mark.parametrize("bad", [-1, 37])
+def test_a_target_outside_the_vocabulary_raises_at_once_on_the_cpu(impl, bad):
+    """On the CPU the device assert fails in the call itself: a ValueError naming the range and
+    the ids found, before any kernel runs."""
+    args, segments, num_segments, kwargs = loss_inputs(seed=12, n=19, h=16, v=37)
+    targets = args[2].clone()
+    targets[5] = bad
+    low, high = min(bad, int(targets.min())), max(bad, int(targets.max()))
+    with pytest.raises(ValueError, match=rf"in \[0, 37\) .*; got min {low}, max {high}$"):
+        linear_policy_loss(
+            args[0], args[1], targets, args[3], segments, loss_config=CONFIGS["ppo-tis-k3"],
+            impl=impl, num_segments=num_segments, **kwargs,
+        )  # fmt: skip
+
+
+def _decoder_on_meta(seed: int, share: bool, **lengths):
+    """Forward + backward of the tiny decoder with per-sequence attention over a packed
+    micro-batch, all on the meta device: tensors with no data, so any read of one back to the
+    host raises, `.tolist()` too (which on a CPU tensor dispatches nothing a counter could see),
+    as a read of a GPU's tensor would wait. Returns the dispatch count."""
+    mb = build_microbatch(_group_sequences(random.Random(seed)), share_prefix=share)
+    assert list(mb.seqlens) == mb.cu_seqlens.diff().tolist()
+    if share:
+        assert list(mb.seqlens_k) == mb.cu_seqlens_k.diff().tolist()
+    mb = mb.to("meta")
+    model = _model(seed).float().to("meta")
+    attention = packed_attention_kwargs(
+        mb.cu_seqlens, mb.max_seqlen, mb.kv_index, mb.cu_seqlens_k, mb.max_seqlen_k,
+        **{k: getattr(mb, k) for k in lengths if lengths[k]},
+    )  # fmt: skip
+    with DispatchCounter() as count:
+        out = model.get_decoder()(
+            input_ids=mb.input_ids[None],
+            position_ids=mb.position_ids[None],
+            use_cache=False,
+            **attention,
+        )
+        out.last_hidden_state.sum().backward()
+    assert out.last_hidden_state.shape == (1, mb.num_tokens, model.config.hidden_size)
+    return count
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["flat", "shared-prefix"])
+def test_packed_attention_never_reads_its_offsets_back(share):
+    """Given the sequence lengths the packer kept on the host, every layer's per-sequence
+    attention cuts the row by them: cu_seqlens on the device is never read (no host sync, on
+    meta tensors that cannot be read at all). Without them it reads the offsets, and fails so."""
+    count = _decoder_on_meta(7, share, seqlens=True, seqlens_k=share)
+    assert count.syncs == []
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        _decoder_on_meta(7, share)
+
+
+def test_the_policy_decoder_never_reads_the_offsets_back():
+    """packed_hidden_states (the trainer's forward) on a micro-batch moved to the device runs
+    without reading its cu_seqlens back (meta tensors: any read raises)."""
+    mb = build_microbatch(_group_sequences(random.Random(8)), share_prefix=True).to("meta")
+    packed_hidden_states(_model(8).float().to("meta"), mb).sum().backward()
 
 
 def test_pairs_found_on_the_host_equal_those_found_on_the_device():

@@ -109,3 +109,47 @@ def test_empty_block_and_single_token_blocks():
     for impl in IMPLS:
         out = varlen_attention(q, k, v, cu, cu, impl=impl)
         torch.testing.assert_close(out, v, rtol=0, atol=0)
+
+
+def host_lengths(cu_q, cu_k):
+    return cu_q.diff().tolist(), cu_k.diff().tolist()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shared", [False, True], ids=["flat", "tree"])
+def test_lengths_given_on_the_host_change_nothing(impl, shared):
+    """The blocks' lengths passed as host ints give the same output and gradients, bit for bit,
+    as lengths read from cu_q and cu_k."""
+    g = torch.Generator().manual_seed(40 + shared)
+    cu_q, cu_k, index, rows = layout(shared, g)
+    ins = [torch.randn(rows, h, 8, generator=g) for h in (4, 2, 2)]
+    up = torch.randn(rows, 4, 8, generator=g)
+
+    def run(**lengths):
+        q, k, v = (t.clone().requires_grad_() for t in ins)
+        out = varlen_attention(q, k, v, cu_q, cu_k, index, impl=impl, **lengths)
+        (out * up).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    given = run(lengths=host_lengths(cu_q, cu_k))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), given, run(), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["flat", "tree"])
+def test_given_lengths_the_offsets_on_a_device_are_never_read(shared):
+    """With `lengths`, forward and backward on the meta device (tensors with no data, which
+    cannot be read back: as a GPU's, whose read would wait for it) run without reading cu_q or
+    cu_k, and give [T, Hq, d]; without them the offsets are read, which fails there."""
+    g = torch.Generator().manual_seed(50 + shared)
+    cu_q, cu_k, index, rows = layout(shared, g)
+    lengths = host_lengths(cu_q, cu_k)
+    cu_q, cu_k = cu_q.to("meta"), cu_k.to("meta")
+    index = None if index is None else index.to("meta")
+    q = torch.empty(rows, 4, 8, device="meta", requires_grad=True)
+    k, v = (torch.empty(rows, 2, 8, device="meta", requires_grad=True) for _ in range(2))
+    out = varlen_attention(q, k, v, cu_q, cu_k, index, lengths=lengths)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape and k.grad.shape == k.shape
+    with pytest.raises(NotImplementedError, match="meta tensor"):
+        varlen_attention(q, k, v, cu_q, cu_k, index)

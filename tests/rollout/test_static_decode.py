@@ -1,7 +1,9 @@
 """The torch sampler's static-shape decode path (fast_decode.StaticCache, TorchSampler with
 static_shapes=True): the same samples as the compacting path, one host read per step, the same
 ops on the same shapes at every step (what makes a CUDA graph's replay valid), SDPA fed the
-cache itself, and the step's graph kept across calls only while the weights stay in place."""
+cache itself, and the step's graph kept across calls only while the weights stay in place.
+`CountingCapture` stands in for fast_decode.CapturedStep on the CPU
+(tests/rollout/test_decode_memory.py counts captures with it)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from cod_fast.rollout import torch_batch
 from cod_fast.rollout.fast_decode import row_bucket, width_bucket
+from cod_fast.rollout.torch_batch import StaticRuns
 from cod_fast.rollout.torch_sampler import TorchSampler
 from tests.rollout.test_fast_decode import TOKENIZER, VOCAB, assert_same_samples, saved_model
 
@@ -27,6 +30,57 @@ def prompts_and_caps(seed: int):
     prompts = [base[i] for i in (0, 1, 3, 1, 2, 4, 5, 1, 3, 0, 4)]
     caps = [9, 4, 14, 12, 1, 7, 14, 5, 3, 11, 13]
     return prompts, caps
+
+
+class _Reads(TorchDispatchMode):
+    """The addresses (data_ptr) of the tensors a function reads that it did not make: what a
+    CUDA graph of it has recorded and reads at every replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: set[int] = set()  # storages of the tensors made inside
+        self.read: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.made:
+                self.read.add(t.data_ptr())
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.add(t.untyped_storage().data_ptr())
+        return out
+
+
+class _Replay:
+    """A recorded step: runs it as a graph replay would, checking that it reads the very
+    addresses its recording read (a graph cannot follow a tensor that moved)."""
+
+    def __init__(self, step, pool):
+        self.step, self.pool = step, pool
+        self.reads = self._run()  # CapturedStep runs the step once before recording it
+
+    def _run(self) -> set[int]:
+        with _Reads() as reads:
+            self.step()
+        return reads.read
+
+    def __call__(self) -> None:
+        assert self._run() == self.reads, "a replay would read addresses its recording did not"
+
+
+class CountingCapture:
+    """fast_decode.CapturedStep's interface on the CPU: `capture(step, pool)` returns a
+    replayable step whose `pool` is the pool it was recorded into (a new one for None), and
+    remembers the pool every capture was given."""
+
+    def __init__(self):
+        self.pools: list[object] = []
+
+    def __call__(self, step, pool):
+        self.pools.append(pool)
+        return _Replay(step, object() if pool is None else pool)
 
 
 def sample(model, static: bool | None, prompts, caps, keys=None, seed=5, **kwargs):
@@ -170,9 +224,11 @@ def test_static_steps_hand_sdpa_the_cache_with_its_own_kv_heads(tmp_path, monkey
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     sampler = TorchSampler(model, TOKENIZER, temperature=0.8, static_shapes=True)
+    sampler.static_runs = StaticRuns(capture=CountingCapture())  # keeps the run to look at
     prompts, caps = prompts_and_caps(seed=4)
     sampler.generate(prompts, caps)
-    cache = sampler._static.cache
+    cache = sampler.static_runs.runs[16, width_bucket(1)].cache
+    storage = sampler.static_runs.storage
     heads, kv_heads = cache.decoder.heads, cache.decoder.kv_heads
     decode = [s for s in seen if s[1].shape[2] == width_bucket(1)]
     assert decode and len(decode) % len(cache.keys) == 0
@@ -184,18 +240,23 @@ def test_static_steps_hand_sdpa_the_cache_with_its_own_kv_heads(tmp_path, monkey
         layer = i % len(cache.keys)
         assert k.data_ptr() == cache.keys[layer].data_ptr() and k.shape == cache.keys[layer].shape
         assert v.data_ptr() == cache.values[layer].data_ptr()
+        # The bucket's cache is the shared storage's first elements, not a copy.
+        assert k.data_ptr() == storage.keys[layer].data_ptr()
+        assert v.data_ptr() == storage.values[layer].data_ptr()
 
 
 @pytest.mark.slow
 def test_static_run_is_kept_while_the_weights_stay_in_place(tmp_path):
-    """A call on the same buckets reuses the last call's buffers (and on CUDA its graph) and
-    sees weights updated in place; a parameter replaced by a new tensor, or other buckets,
-    get a new run. Either way the samples are the compacting path's on the current weights."""
+    """With graphs, a call on the same buckets replays the last call's recording (the same
+    buffers, the same addresses) and sees weights updated in place; a parameter replaced by a
+    new tensor, or other buckets, get a new recording. Either way the samples are the
+    compacting path's on the current weights."""
     model = saved_model(tmp_path, "qwen3")
     prompts, caps = prompts_and_caps(seed=5)
     sampler = TorchSampler(model, TOKENIZER, temperature=0.8, static_shapes=True)
+    sampler.static_runs = StaticRuns(capture=CountingCapture())
     sampler.generate(prompts, caps)
-    first = sampler._static
+    first = sampler.static_runs.runs[16, width_bucket(1)]
 
     def check_against_compaction(seed):
         sampler.load_state_dict(
@@ -209,13 +270,12 @@ def test_static_run_is_kept_while_the_weights_stay_in_place(tmp_path):
     with torch.no_grad():
         mlp.down_proj.weight.mul_(3.0)
     check_against_compaction(seed=6)
-    assert sampler._static is first
+    assert sampler.static_runs.runs[16, width_bucket(1)] is first and sampler.captures == 1
     mlp.down_proj.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 0.5)
     check_against_compaction(seed=7)
-    assert sampler._static is not first
-    replaced = sampler._static
+    assert sampler.static_runs.runs[16, width_bucket(1)] is not first and sampler.captures == 2
     sampler.generate(prompts[:3], caps[:3])  # 8 rows, not 16
-    assert sampler._static is not replaced
+    assert set(sampler.static_runs.runs) == {(16, 256), (8, 256)} and sampler.captures == 3
 
 
 def test_static_shape_switches_default_to_the_device():
@@ -247,7 +307,7 @@ def test_cuda_graph_steps_draw_what_eager_steps_draw(tmp_path, keyed):
     assert_same_samples(got, same, atol=1e-6)
     _, want = sample(model, False, prompts, caps, keys)
     assert_same_samples(got, want, atol=1e-4)
-    first = graphs._static
+    assert graphs.captures == 1
     mlp = model.model.layers[1].mlp
     with torch.no_grad():
         mlp.down_proj.weight.mul_(3.0)
@@ -259,4 +319,4 @@ def test_cuda_graph_steps_draw_what_eager_steps_draw(tmp_path, keyed):
         compacting = TorchSampler(model, TOKENIZER, temperature=0.8, seed=5, static_shapes=False)
         compacting.load_state_dict(state)
         assert_same_samples(got, compacting.generate(prompts, caps, keys=keys), atol=1e-4)
-        assert (graphs._static is first) != replace
+        assert graphs.captures == 1 + replace

@@ -1,0 +1,261 @@
+"""The memory plan (cod_fast.train.memory_plan) against what runs: parameter counts against a
+built model, the activation term against the bytes autograd saves on a real forward, the
+training step's and the sampler's peaks against live tensor bytes counted while they run
+(bench/live_memory.py), the preflight's refusal on a declared GPU size, and `cod-fast plan` at
+Qwen3-1.7B, 8B and 32B shapes on this CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import random
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+from typer.testing import CliRunner
+
+from bench.live_memory import LiveBytes, optimizer_tensors
+from bench.train_workload import StepShape, build_model, make_step, step_batch
+from cod_fast.cli.app import app
+from cod_fast.config import Config, ConfigError, ModelConfig
+from cod_fast.config.presets import PRESETS
+from cod_fast.model.loading import packed_hidden_states
+from cod_fast.model.shapes import KNOWN_CONFIGS, model_shape, shape_of
+from cod_fast.rollout.torch_sampler import TorchSampler
+from cod_fast.train.memory_plan import check_fits, plan_memory, with_setting
+from cod_fast.train.memory_terms import (
+    activation_terms,
+    layer_activation_bytes,
+    loss_terms,
+    prefill_terms,
+    torch_sampler_terms,
+)
+from cod_fast.train.preflight import check_plan
+
+TOLERANCE = 0.15  # the issue's target: the plan within 15% of the measured peak
+
+
+def _random_config(rng: random.Random, **fixed) -> Qwen3Config:
+    kv = rng.choice([1, 2, 3])
+    sizes = dict(
+        vocab_size=rng.randint(50, 400),
+        hidden_size=rng.choice([24, 40, 48]),
+        intermediate_size=rng.randint(20, 90),
+        num_hidden_layers=rng.randint(1, 3),
+        num_attention_heads=kv * rng.choice([1, 2]),
+        num_key_value_heads=kv,
+        head_dim=rng.choice([8, 16]),
+        tie_word_embeddings=rng.random() < 0.5,
+        max_position_embeddings=4096,
+    )
+    return Qwen3Config(**(sizes | fixed))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_parameters_counted_on_meta_match_a_built_model(seed):
+    config = _random_config(random.Random(seed))
+    shape = shape_of(config, "random")
+    model = AutoModelForCausalLM.from_config(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.layer_params == layer
+    assert shape.root_params == shape.params - shape.layers * layer
+
+
+def test_known_models_have_their_released_sizes():
+    # Qwen3-8B and -32B as their model cards give them: 8.2B and 32.8B parameters.
+    assert round(model_shape(ModelConfig(name_or_path="Qwen/Qwen3-8B")).params / 1e9, 1) == 8.2
+    assert round(model_shape(ModelConfig(name_or_path="Qwen/Qwen3-32B")).params / 1e9, 1) == 32.8
+    with pytest.raises(ValueError, match="download the model"):
+        model_shape(ModelConfig(name_or_path="someone/unknown-model"))
+
+
+def _saved_bytes(model, mb) -> int:
+    """Bytes of the tensors autograd saves in a forward, weights left out."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        packed_hidden_states(model, mb)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_term_is_what_autograd_saves(seed, checkpointing):
+    """The lean path's saved bytes equal the term to the byte count of the micro-batch's token
+    ids (the one input the term leaves out); transformers' modules within 5%."""
+    rng = random.Random(seed)
+    layers, heads, kv = rng.randint(1, 3), rng.choice([2, 4]), rng.choice([1, 2])
+    step = StepShape(
+        layers=layers, hidden=rng.choice([32, 48]), heads=heads, kv_heads=kv, head_dim=16,
+        intermediate=rng.randint(40, 100), vocab=300, tokens=rng.randint(300, 700),
+        micro_batches=1,
+    )  # fmt: skip
+    model = build_model(step, "cpu", torch.float32, grad_ckpt=checkpointing, lean=True)
+    mb = step_batch(step)[0][0]
+    shape = shape_of(model.config, "step")
+    tokens = mb.input_ids.numel()
+    (term,) = activation_terms(shape, tokens, 4, lean=True, checkpointing=checkpointing)
+    saved = _saved_bytes(model, mb)
+    if checkpointing:
+        # Only the layer inputs and what follows the last layer are saved in the forward; the
+        # recomputed layer exists in the backward (the term counts it on top).
+        term_bytes = term.bytes - tokens * layer_activation_bytes(shape, 4, lean=True)
+        term_bytes -= tokens * 2 * shape.head_dim * 4  # rotary tables live inside the layers
+    else:
+        term_bytes = term.bytes
+    assert abs(saved - 8 * tokens - term_bytes) <= 4 * 64  # + the int32 sequence starts
+    plain = build_model(step, "cpu", torch.float32, lean=False)
+    (full,) = activation_terms(shape, tokens, 4, lean=False, checkpointing=False)
+    assert abs(_saved_bytes(plain, mb) - full.bytes) <= 0.1 * full.bytes
+
+
+def _measured_step(step: StepShape) -> tuple[int, int, float, object]:
+    """(peak live bytes of one optimizer step, tokens of its largest micro-batch, the share of
+    its tokens the loss trains on, model)."""
+    model = build_model(step, "cpu", torch.float32)
+    mbs, denominator, _ = step_batch(step)
+    run, optimizer = make_step("fused", model, mbs, denominator)
+    run()  # AdamW's moments exist from the first step on
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    live = LiveBytes()
+    live.track(model.parameters())
+    live.track(optimizer_tensors(optimizer))
+    with live:
+        run()
+    largest = max(mbs, key=lambda mb: mb.num_tokens)
+    share = largest.trainable_idx.numel() / largest.num_tokens
+    return live.peak, largest.num_tokens, share, model
+
+
+def _planned_step(model, tokens: int, share: float) -> int:
+    """The plan's training step for one process on the CPU, float32, at `tokens` a micro-batch."""
+    cfg = with_setting(Config(), "train", token_budget=tokens)
+    cfg = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, dtype="float32"), rollout=cfg.rollout
+    )
+    plan = plan_memory(
+        with_setting(cfg, "train", steps=1, warm_start_steps=0),
+        shape_of(model.config, "step"),
+        device="cpu",
+        trainable_share=share,
+    )
+    return plan.phase("training step").bytes
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        StepShape(
+            layers=2,
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            intermediate=160,
+            vocab=2048,
+            tokens=1500,
+            micro_batches=2,
+        ),
+        pytest.param(StepShape(tokens=16384, micro_batches=3), marks=pytest.mark.slow),  # 29M
+    ],
+    ids=["tiny", "29M"],
+)
+def test_training_step_plan_within_15_percent_of_live_peak(step):
+    measured, tokens, share, model = _measured_step(step)
+    planned = _planned_step(model, tokens, share)
+    assert abs(planned - measured) <= TOLERANCE * measured, (planned, measured)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_sampling_plan_within_15_percent_of_live_peak(static):
+    """A generate() of 6 groups of 4 members with every response at its cap: the model's
+    weights and the sampler's terms against the live bytes of the call."""
+    config = _random_config(random.Random(7), vocab_size=1500, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.eos_token_id = None
+    tokenizer = types.SimpleNamespace(eos_token_id=None, pad_token_id=0)
+    sampler = TorchSampler(model, tokenizer, temperature=1.0, seed=1, static_shapes=static)
+    prompt, response, groups, members = 60, 40, 6, 4
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 1500, (prompt,), generator=g).tolist() for _ in range(groups)]
+    batch = [p for p in prompts for _ in range(members)]
+    gc.collect()
+    live = LiveBytes()
+    live.track(model.parameters())
+    live.track(model.buffers())
+    with live:
+        samples = sampler.generate(batch, [response] * len(batch))
+    assert all(len(s.token_ids) == response for s in samples)
+    shape = shape_of(config, "random")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    terms = torch_sampler_terms(
+        shape, len(batch), prompt + response, 4, static=static, graphs=False
+    )
+    terms += prefill_terms(shape, groups, prompt, 4)
+    planned = weights + sum(t.bytes for t in terms)
+    assert abs(planned - live.peak) <= TOLERANCE * live.peak, (planned, live.peak)
+
+
+def test_loss_term_follows_the_chunk_rule():
+    shape = shape_of(_random_config(random.Random(1), vocab_size=50_000), "v")
+    _, chunks, grads = loss_terms(shape, 20_000, torch.device("cuda"), 2)
+    # CUDA: a 2 GiB budget of float32 logits, at least 4096 rows, rows split evenly.
+    assert chunks.bytes == 5000 * 50_000 * 4
+    assert grads.bytes == (50_000 + 20_000) * shape.hidden * 4
+
+
+def test_preflight_refuses_what_cannot_fit_on_a_declared_gpu():
+    cfg = PRESETS["qwen3-1.7b"]()
+    cfg = with_setting(cfg, "rollout", sampler="torch")
+    config = Qwen3Config(**KNOWN_CONFIGS["Qwen/Qwen3-1.7B"])
+    with pytest.raises(ConfigError) as refused:
+        check_plan(cfg, config, world_size=1, memory=24 * 2**30)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert "sampling phase needs" in line and "KV cache" in line
+    assert refused.value.key == "rollout.packs_per_step"  # the KV cache's first knob
+    check_plan(cfg, config, world_size=8, memory=141 * 2**30)  # an H200 node: fits
+
+
+def test_check_fits_names_the_knob_of_the_largest_part():
+    cfg = with_setting(PRESETS["qwen3-1.7b"](), "rollout", sampler="torch")
+    shape = model_shape(ModelConfig(name_or_path="Qwen/Qwen3-8B"))
+    plan = plan_memory(cfg, shape, gpus=8, memory=40 * 2**30, sampler="torch")
+    assert plan.fits() is False
+    with pytest.raises(ConfigError, match="lower"):
+        check_fits(plan)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--preset", "qwen3-1.7b", "--gpus", "8"],
+        ["--preset", "qwen3-1.7b", "--set", "model.name_or_path=Qwen/Qwen3-8B", "--gpus", "8"],
+        ["--preset", "qwen3-1.7b", "--set", "model.name_or_path=Qwen/Qwen3-32B", "--gpus", "8"],
+    ],
+)
+def test_plan_command_answers_at_real_sizes(args):
+    result = CliRunner().invoke(app, ["plan", *args, "--gpu-memory", "80", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    shape = model_shape(ModelConfig(name_or_path=out["model"]))
+    weights = out["phases"]["training step"]["terms"][0]
+    assert weights["name"] == "weights"
+    assert weights["bytes"] == -(-shape.params // 8) * 4  # float32 masters, 1/8 each
+    assert out["fits"] == (max(p["bytes"] for p in out["phases"].values()) <= 0.95 * 80 * 2**30)
+    if out["fits"]:
+        assert out["largest_fitting"]["train.token_budget"] >= 32768
