@@ -23,20 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cod_fast.distributed.context import DistContext, broadcast_object
 from cod_fast.model.policy import Policy
-
-
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's block list (`layers` in Llama/Qwen, the one ModuleList child elsewhere)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    if isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
-        return decoder.layers
-    lists = [m for m in decoder.children() if isinstance(m, torch.nn.ModuleList)]
-    if len(lists) != 1:
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: its decoder "
-            f"{type(decoder).__name__} has {len(lists)} ModuleList children, expected one"
-        )
-    return lists[0]
+from cod_fast.model.shapes import decoder_layers
 
 
 def shard_policy(
@@ -70,7 +57,7 @@ def shard_policy(
         root = MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
         )
-    for layer in _decoder_layers(policy.model):
+    for layer in decoder_layers(policy.model):
         fully_shard(
             layer, mesh=ctx.mesh, reshard_after_forward=reshard_after_forward, mp_policy=layers
         )
