@@ -62,7 +62,6 @@ def single_turn_step(trainer, env, batch: list[tuple[int, list[int]]]) -> dict:
         rollouts.append(Rollout(pack_id=pack, member=member, env=env.name, episodes=[episode]))
     t_sampled = time.perf_counter()
     assign_advantages(rollouts, cfg.algo)
-    trainer.sampler.sleep()  # as the trainer does (a no-op on the CPU)
     update = trainer._update(rollouts, cfg.algo.loss, cfg.train.mini_batches)
     t_trained = time.perf_counter()
     trainer._sync_sampler()

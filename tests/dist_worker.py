@@ -72,16 +72,22 @@ def train(policy, optimizer, step, ctx) -> dict:
     return vars(result)
 
 
-def run(rank: int, world_size: int, port: int, out: str, one_process_state: str) -> None:
-    """One rank: everything the distributed tests check, written to out/rank{rank}.pt."""
+def start_rank(rank: int, world_size: int, port: int) -> None:
+    """What torchrun gives a rank on one node (loopback, one CPU thread each)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
+
+
+def run(rank: int, world_size: int, port: int, out: str, one_process_state: str) -> None:
+    """One rank: everything the distributed tests check, written to out/rank{rank}.pt."""
+    start_rank(rank, world_size, port)
     ctx = init_distributed("cpu")
     got: dict = {
         "ctx": (ctx.rank, ctx.world_size, ctx.local_rank, ctx.is_main, ctx.distributed),

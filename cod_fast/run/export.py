@@ -2,7 +2,8 @@
 
 The folder (config, safetensors weights, tokenizer) loads with `from_pretrained` anywhere,
 vLLM and `cod-fast eval` included. The model is rebuilt from the run's own config.yaml (the
-built-in model from its sizes and the run's tokenizer), then given the checkpoint's weights, and
+built-in model from its sizes and the run's tokenizer), then given the checkpoint's weights
+(those of a run under torchrun gathered whole from its rank shards, in this one process), and
 saved with the standard SDPA attention, so nothing of cod-fast is needed to load it. The weights
 are written in the dtype asked for; by default the run's compute dtype (a mixed-precision run
 keeps float32 masters in its checkpoints and computed in bf16: the export is bf16). Beside it
@@ -198,7 +199,7 @@ def export_model(
     one_process = DistContext(
         rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None
     )
-    with restoring(ckpt, "model.safetensors"):  # weights that do not fit: one line naming them
+    with restoring(ckpt, ckpt.model_file):  # weights that do not fit: one line naming them
         load_model_state(Policy(model), weights, one_process)
     model.set_attn_implementation("sdpa")
     if template is not None:

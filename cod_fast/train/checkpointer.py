@@ -6,9 +6,13 @@ after), every rank's RNGs and sampler stream, and the batch source's state (the 
 sampler streams, a replay pool). Beside the checkpoints lies the KL term's reference, the policy
 as RL began, written once when RL starts and read back by every resume after it.
 
-Every rank calls every method here together: the states are gathered to the main rank, which
-alone writes and reads files; what it read reaches the other ranks by broadcast, and a failure
-on it is raised on every rank, so that no rank waits in a collective for one that stopped.
+Every rank calls every method here together, and a failure on any rank is raised on every
+rank, so that no rank waits in a collective for one that stopped. Under torchrun with FSDP2 a
+checkpoint is in rank shards (cod_fast.run.sharded): every rank writes its own rows of the model
+and the optimizer into the checkpoint's folder, and on resume reads back the rows it holds now,
+at any world size, so no rank ever holds a full state. In one process the states are whole, and
+so is a checkpoint in rank shards read by one process (it gathers it); the other files are
+written and read by the main rank alone, and what it read reaches the others by broadcast.
 """
 
 from __future__ import annotations
@@ -30,24 +34,42 @@ from cod_fast.distributed.context import (
     broadcast_object,
     gather_objects,
 )
-from cod_fast.distributed.fsdp import load_model_state, model_state, shard_policy
-from cod_fast.distributed.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.distributed.fsdp import (
+    check_model_shapes,
+    load_model_shards,
+    load_model_state,
+    model_shards,
+    model_state,
+    shard_policy,
+)
+from cod_fast.distributed.optim_state import (
+    check_optimizer_shapes,
+    load_optimizer_shards,
+    load_optimizer_state,
+    optimizer_shards,
+    optimizer_state,
+)
 from cod_fast.model.loading import load_policy
 from cod_fast.model.policy import Policy
 from cod_fast.rollout.sampler import Sampler
 from cod_fast.run.checkpoint import (
     Checkpoint,
     CheckpointError,
+    abandon_checkpoint,
+    begin_checkpoint,
+    finish_checkpoint,
     read_model_state,
     read_optimizer_state,
     read_rank_states,
     read_weights,
     restoring,
     save_checkpoint,
+    write_failure,
 )
 from cod_fast.run.directory import RunDirError, check_resume, flat_config, tokenizer_fingerprint
 from cod_fast.run.init_from import initial_weights
 from cod_fast.run.log import RunLog
+from cod_fast.run.sharded import INDEX, PLAIN, read_index, read_plain, read_rows, write_rank_files
 from cod_fast.train.batches import BatchSource
 
 REFERENCE = "reference.safetensors"
@@ -97,41 +119,85 @@ class Checkpointer:
         self.new_optimizer = new_optimizer
         self.run_dir = Path(cfg.runtime.run_dir)
         self.warm_steps = cfg.train.warm_start_steps
+        self.shards = ctx.sharded and ctx.distributed and cfg.runtime.checkpoint_format == "auto"
+        """Whether a save writes rank shards (runtime.checkpoint_format); a load reads what
+        the checkpoint holds, either format."""
 
     def save(self, step: int, optimizer: torch.optim.Optimizer) -> None:
-        """Checkpoint `step`: model, optimizer, every rank's RNGs and sampler, the batch source."""
+        """Checkpoint `step`: model, optimizer, every rank's RNGs and sampler, the batch source;
+        in rank shards under torchrun with FSDP2, whole in one process."""
         rank_state = {
             "rng": rng_state(),
             "sampler": self.sampler.state_dict(),
             "batch_source": self.batches.state(),  # the rollout workers' sampler states
         }
         ranks = gather_objects(rank_state, self.ctx)
+        extra = {
+            "warm_start_steps": self.warm_steps,
+            "world_size": self.ctx.world_size,
+            "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
+            "master_dtype": str(self.master_dtype).removeprefix("torch."),
+            "config": flat_config(self.cfg),
+            "tokenizer": tokenizer_fingerprint(self.tokenizer),
+        }
+        if self.shards:
+            self._save_shards(step, optimizer, ranks, extra)
+            return
         weights = model_state(self.policy, self.ctx)
         optim = optimizer_state(self.policy, optimizer, self.ctx)
         failure = None
         if self.ctx.is_main:
             try:
+                keep = self.cfg.runtime.keep_checkpoints
                 save_checkpoint(
-                    self.run_dir,
-                    step,
-                    weights,
-                    optim,
-                    rank_states=ranks,
-                    extra={
-                        "warm_start_steps": self.warm_steps,
-                        "world_size": self.ctx.world_size,
-                        "compute_dtype": str(self.compute_dtype).removeprefix("torch."),
-                        "master_dtype": str(self.master_dtype).removeprefix("torch."),
-                        "config": flat_config(self.cfg),
-                        "tokenizer": tokenizer_fingerprint(self.tokenizer),
-                    },
-                    keep=self.cfg.runtime.keep_checkpoints,
+                    self.run_dir, step, weights, optim, rank_states=ranks, extra=extra, keep=keep
                 )
             except CheckpointError as exc:
                 failure = exc
         # Every rank learns whether the save failed (this also waits for it), so all stop alike.
         if all_reduce_max(int(failure is not None), self.ctx):
             raise failure or CheckpointError("the main process could not write the checkpoint")
+
+    def _save_shards(
+        self,
+        step: int,
+        optimizer: torch.optim.Optimizer,
+        ranks: list[dict[str, Any]],
+        extra: dict[str, Any],
+    ) -> None:
+        """Checkpoint `step` in rank shards: the main rank makes the temporary folder, every
+        rank writes its own rows into it (its own shard of host memory, a tensor at a time),
+        and once all have (the gather is the barrier) the main rank completes it. A failure on
+        any rank raises CheckpointError on every rank, the checkpoints already there intact."""
+        ctx = self.ctx
+        tmp = broadcast_object(
+            self._read_on_main(lambda: begin_checkpoint(self.run_dir, step)), ctx
+        )
+        plain, slots = optimizer_shards(self.policy, optimizer, ctx)
+        report = failure = None
+        try:
+            report = write_rank_files(tmp, ctx.rank, model_shards(self.policy, ctx), slots)
+        except Exception as exc:  # it must reach every rank, or they wait for this one
+            failure = exc
+        said = None if failure is None else _rank_failure(self.run_dir, step, ctx.rank, failure)
+        reports = gather_objects((report, said), ctx)
+        problem = next((line for _, line in reports if line is not None), None)
+
+        def finish() -> None:
+            if problem is not None:
+                abandon_checkpoint(tmp)
+                raise CheckpointError(problem)
+            written = [r for r, _ in reports if r is not None]
+            keep = self.cfg.runtime.keep_checkpoints
+            shards = (written, ctx.world_size, plain)
+            finish_checkpoint(
+                self.run_dir, step, tmp, rank_states=ranks, extra=extra, keep=keep, shards=shards
+            )
+
+        try:
+            self._read_on_main(finish)
+        except CheckpointError as exc:
+            raise exc from failure  # on the rank that failed, with its traceback
 
     def restore_or_start(self, resume: bool, optimizer: torch.optim.Optimizer) -> Restored:
         """The latest checkpoint taken back (`resume`, and one exists), else a new run at step 0
@@ -160,18 +226,14 @@ class Checkpointer:
                 "the model folder's), or start a new run_dir"
             )
         step, reference = ckpt.step, None
-        # A state that does not fit what takes it back (a damaged or edited file) is a
-        # ValueError there, and one line naming the file here (`restoring`).
-        state = self._read_on_main(lambda: read_model_state(ckpt))
-        with restoring(ckpt, "model.safetensors"):
-            load_model_state(self.policy, state, self.ctx)
         # The optimizer that wrote the checkpoint: the warm start's up to its last step (RL then
         # starts a fresh one), RL's after.
         if step > self.warm_steps and self.warm_steps:
             optimizer = self.new_optimizer(False)
-        state = self._read_on_main(lambda: read_optimizer_state(ckpt))
-        with restoring(ckpt, "optimizer.pt"):
-            load_optimizer_state(self.policy, optimizer, state, self.ctx)
+        if ckpt.sharded and self.ctx.sharded:
+            self._load_shards(ckpt, optimizer)
+        else:
+            self._load_whole(ckpt, optimizer)
         if step > self.warm_steps:
             path = self.run_dir / REFERENCE
             fix = "it is the KL reference (the policy as RL began): restore it from a backup"
@@ -187,6 +249,43 @@ class Checkpointer:
         self.log.truncate(step)
         return Restored(step, optimizer, reference)
 
+    def _load_whole(self, ckpt: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
+        """The model and the optimizer from full states the main rank reads (gathered whole
+        from a checkpoint in rank shards) and sends to the others."""
+        # A state that does not fit what takes it back (a damaged or edited file) is a
+        # ValueError there, and one line naming the file here (`restoring`).
+        state = self._read_on_main(lambda: read_model_state(ckpt))
+        with restoring(ckpt, ckpt.model_file):
+            load_model_state(self.policy, state, self.ctx)
+        state = self._read_on_main(lambda: read_optimizer_state(ckpt))
+        with restoring(ckpt, PLAIN if ckpt.sharded else "optimizer.pt"):
+            load_optimizer_state(self.policy, optimizer, state, self.ctx)
+
+    def _load_shards(self, ckpt: Checkpoint, optimizer: torch.optim.Optimizer) -> None:
+        """The model and the optimizer from a checkpoint in rank shards, at any world size:
+        the main rank reads the index and the optimizer's plain part and sends them to the
+        others, then every rank reads the rows it holds now, and only those, from the files
+        (cod_fast.run.sharded.read_rows). Each rank decides alike whether the index fits the
+        model and the optimizer, so none waits for another that refused it."""
+        ctx, path = self.ctx, ckpt.path
+
+        def read_small() -> tuple[Any, Any]:
+            with restoring(ckpt, INDEX):
+                return read_index(path / INDEX, ckpt.sizes), read_plain(path / PLAIN)
+
+        index, plain = broadcast_object(self._read_on_main(read_small), ctx)
+        mine = {name: (s.start, s.stop) for name, s in model_shards(self.policy, ctx).items()}
+        with restoring(ckpt, INDEX):
+            check_model_shapes(self.policy, {k: e.shape for k, e in index.model.items()})
+        with restoring(ckpt, PLAIN):
+            slots = {k: (e.shape, e.dtype) for k, e in index.optim.items()}
+            check_optimizer_shapes(self.policy, optimizer, plain, slots)
+        rows = self._read_everywhere(ckpt, lambda: read_rows(path, index.model, "model", mine))
+        load_model_shards(self.policy, rows, ctx)
+        wanted = {key: mine[key[0]] for key in index.optim}  # a slot's rows are its parameter's
+        rows = self._read_everywhere(ckpt, lambda: read_rows(path, index.optim, "optim", wanted))
+        load_optimizer_shards(self.policy, optimizer, plain, rows, ctx)
+
     def _reference(self, state: dict[str, torch.Tensor], save: bool) -> Policy | None:
         """The KL term's reference holding `state` (kept in the run directory with `save`);
         nothing at all without a KL term."""
@@ -201,7 +300,7 @@ class Checkpointer:
             cfg.model, self.ctx.device, cfg.train.seed, self.tokenizer, dtype=self.compute_dtype
         )
         reference = Policy(model, self.policy.impl)
-        reference = shard_policy(reference, self.ctx) if self.ctx.distributed else reference
+        reference = shard_policy(reference, self.ctx, frozen=True)  # one process: unsharded
         load_model_state(reference, state, self.ctx)
         reference.eval().requires_grad_(False)
         return reference
@@ -218,3 +317,29 @@ class Checkpointer:
         if (problem := broadcast_object(problem, self.ctx)) is not None:
             raise CheckpointError(problem)
         return value
+
+    def _read_everywhere(self, ckpt: Checkpoint, read: Callable[[], Any]) -> Any:
+        """`read()` of checkpoint `ckpt`'s files on every rank; a damaged file on any rank
+        raises its CheckpointError on every rank, so none goes on without the others."""
+        value, problem = None, None
+        try:
+            with restoring(ckpt, INDEX):
+                value = read()
+        except CheckpointError as exc:
+            problem = str(exc)
+        said = next((p for p in gather_objects(problem, self.ctx) if p is not None), None)
+        if said is not None:
+            raise CheckpointError(said)
+        return value
+
+
+def _rank_failure(run_dir: Path, step: int, rank: int, exc: BaseException) -> str:
+    """The line that says rank `rank` could not write its files of checkpoint `step`."""
+    root = run_dir / "checkpoints"
+    if isinstance(exc, FileNotFoundError):  # the folder rank 0 made is not where it looked
+        return (
+            f"rank {rank} finds no temporary folder in {root} to write the checkpoint of step "
+            f"{step} into: a run of several nodes checkpoints into a runtime.run_dir that every "
+            "node shares (a shared file system)"
+        )
+    return f"rank {rank}: {write_failure(root, step, exc)}"

@@ -27,13 +27,17 @@ from cod_fast.train.memory_terms import (
     Layout,
     Term,
     activation_terms,
+    checkpoint_host_terms,
     loss_terms,
     master_terms,
     prefill_terms,
+    teacher_host_terms,
     torch_sampler_terms,
     training_weight_terms,
 )
 
+GPUS_PER_NODE = 8
+"""GPUs of one node, for the host memory a node's ranks hold together."""
 HEADROOM = 0.05
 """Share of a GPU's memory the plan keeps free: the allocator's rounding and fragmentation."""
 GIB = 2**30
@@ -64,6 +68,8 @@ class MemoryPlan:
     phases: list[Phase]
     memory: int | None = None
     notes: list[str] = field(default_factory=list)
+    host: list[Term] = field(default_factory=list)
+    """Host memory of one node, per moment (a checkpoint's save or load, teachers waiting)."""
 
     @property
     def peak(self) -> Phase:
@@ -163,7 +169,12 @@ def plan_memory(
         f"rollout prompts counted as {prompt} tokens (--prompt-tokens)",
         f"{HEADROOM:.0%} of each GPU kept free for the allocator; the CUDA context is not counted",
     ]
-    return MemoryPlan(shape.name, gpus, device, phases, memory, notes)
+    per_node = min(gpus, GPUS_PER_NODE)
+    sharded_format = trainers > 1 and cfg.runtime.checkpoint_format == "auto"
+    host = checkpoint_host_terms(shape, layout, per_node, sharded_format)
+    if teachers:
+        host += teacher_host_terms(teachers, per_node, cb)
+    return MemoryPlan(shape.name, gpus, device, phases, memory, notes, host)
 
 
 def _reference_terms(shape: ModelShape, layout: Layout) -> list[Term]:

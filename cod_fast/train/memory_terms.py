@@ -182,3 +182,30 @@ def prefill_terms(shape: ModelShape, prompts: int, prompt_tokens: int, itemsize:
     beside the static cache it is copied into while a call decodes."""
     kv = prompts * prompt_tokens * shape.kv_bytes_per_token(itemsize)
     return [Term("prefill cache", kv, f"{prompts} prompts x {prompt_tokens} tokens")]
+
+
+def checkpoint_host_terms(
+    shape: ModelShape, layout: Layout, ranks_per_node: int, sharded_format: bool
+) -> list[Term]:
+    """Host memory of one node while a checkpoint is saved or loaded: the float32 (master)
+    weights and AdamW's two moments as CPU copies. Sharded (cod_fast.run.sharded: every rank its
+    own shard) each rank holds 1/S of them; in the one-process format the main rank holds all of
+    them, on the first node."""
+    size = layout.master.itemsize
+    if sharded_format:
+        share = math.ceil(shape.params / layout.shards)
+        nbytes = ranks_per_node * 3 * share * size
+        how = f"{ranks_per_node} ranks x 3 x {share:,} parameters x {size} B (each its shard)"
+        return [Term("checkpoint save / load", nbytes, how)]
+    how = f"3 x {shape.params:,} parameters x {size} B on the main rank (whole)"
+    return [Term("checkpoint save / load", 3 * shape.params * size, how)]
+
+
+def teacher_host_terms(
+    teachers: list[ModelShape], ranks_per_node: int, itemsize: int
+) -> list[Term]:
+    """Teachers that wait in host memory (cod_fast.train.teachers: when they do not all fit on
+    the device beside the student), whole on every rank."""
+    params = sum(t.params for t in teachers)
+    how = f"{ranks_per_node} ranks x {params:,} teacher parameters x {itemsize} B"
+    return [Term("teachers waiting", ranks_per_node * params * itemsize, how)]

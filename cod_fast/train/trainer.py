@@ -10,6 +10,8 @@ Every step, top to bottom:
   -> the new weights pushed into the sampler (vLLM: one reload, gathered one parameter at a
      time; a torch sampler that shares the training module needs none)
   -> the step's record (cod_fast.train.record), a checkpoint when due (cod_fast.train.checkpointer).
+Every sampler sleeps before any training step, the warm start's too (vLLM frees its weights and
+KV cache), and the push of the weights it samples next wakes it, before rollouts and evaluations.
 A warm start of supervised steps on scripted demonstrations can come first (cod_fast.train.warm_start).
 Held-out eval packs are rolled out before training, after the warm start, every
 `runtime.eval_every` RL steps and at the end, with a sampler of their own fixed seed, so every
@@ -62,7 +64,7 @@ from cod_fast.model.loading import load_policy, master_dtype, resolve_dtype
 from cod_fast.model.policy import Policy
 from cod_fast.ops import aggregation_denominator
 from cod_fast.rollout.chat import ChatFormat
-from cod_fast.rollout.choice import build_samplers
+from cod_fast.rollout.choice import plan_samplers, start_samplers
 from cod_fast.rollout.driver import DriverSettings, RolloutDriver
 from cod_fast.rollout.sampler import Sampler
 from cod_fast.rollout.scripted import demonstrations
@@ -139,20 +141,22 @@ class Trainer:
         )
         self.chat = ChatFormat.for_model(self.tokenizer, cfg.model)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
-        self.samplers = build_samplers(cfg, model, self.tokenizer, self.ctx, run_eval_sampling(cfg))
-        self.sampler: Sampler = self.samplers.train
+        # What the samplers need of the whole model (vLLM's folder, the torch sampler's copy)
+        # is taken before sharding; vLLM starts after it, when its share of the GPU is free.
+        plan = plan_samplers(cfg, model, self.tokenizer, self.ctx)
         self.policy = shard_policy(
             Policy(model, self.impl), self.ctx, compute_dtype=self.compute_dtype
         )
+        self.samplers = start_samplers(cfg, plan, self.tokenizer, self.ctx, run_eval_sampling(cfg))
+        self.sampler: Sampler = self.samplers.train
         self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
         self.batches = batches or LocalBatches(cfg, self.driver, self.ctx)
-        # With rollout workers this process's samplers only evaluate: they get the weights
-        # before an evaluation and sleep after it, instead of after every step. (vLLM's
-        # external launcher makes its groups over every rank of the job, so a trainer still
-        # starts an engine when the workers do.)
+        # With rollout workers this process's samplers only evaluate: weights before an
+        # evaluation, sleep after it. (vLLM's external launcher makes its groups over every rank
+        # of the job, so a trainer still starts an engine when the workers do.)
         self.local_sampling = self.ctx.rollout_ranks == 0
         self.sampler_step: int | None = None
-        """The step whose weights the sampler holds (None: not pushed yet)."""
+        """The step whose weights the samplers hold, awake (None: asleep, or not pushed yet)."""
         if cfg.train.replay_batches:
             vocab_size = model.get_input_embeddings().num_embeddings
             self.batches = ReplayBatches(self.batches, cfg.train, vocab_size)
@@ -194,8 +198,6 @@ class Trainer:
         started = time.perf_counter()
         self.on_eval = on_eval
         self._restore_or_start(resume)
-        if self.local_sampling:
-            self._sync_sampler()
         if self.step == 0:
             self._evaluate("start")
         previous = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
@@ -258,8 +260,6 @@ class Trainer:
         steps = self._update(rollouts, SFT_LOSS, mini_batches=1)
         t_trained = time.perf_counter()
         self.step += 1
-        if self.local_sampling and self.step == self.warm_steps:  # the next step samples
-            self._sync_sampler()
         times = (t0, t0, t_trained, time.perf_counter())  # demonstrations sample nothing
         return self._record(rollouts, {}, steps, times)
 
@@ -267,6 +267,8 @@ class Trainer:
         """An RL step on the batch source's next batch; returns its record."""
         t0 = time.perf_counter()
         self._set_lr(self._rl_lr())
+        if self.local_sampling:  # pushed as the previous RL step ended, unless this is the first
+            self._sync_sampler()
         batch = self.batches.next(
             self.step - self.warm_steps, self.policy, lambda: self.stop_requested
         )
@@ -279,8 +281,6 @@ class Trainer:
         graded = [r for r in trained if r.graded]  # judge-flagged rollouts left out
         extra["malformed_frac"] = mean([float(r.malformed) for r in rollouts])
         extra["ungraded_rollouts"] = len(trained) - len(graded)
-        if self.local_sampling:
-            self.sampler.sleep()  # vLLM frees its memory for training
         steps = (
             self._update(graded, self.cfg.algo.loss, self.cfg.train.mini_batches)
             if graded
@@ -288,7 +288,7 @@ class Trainer:
         )
         t_trained = time.perf_counter()
         self.step += 1
-        if self.local_sampling:  # the next step samples
+        if self.local_sampling:  # the next step samples: its push is timed as this step's
             self._sync_sampler()
         self.batches.trained(self.step - self.warm_steps, self.policy)
         return self._record(rollouts, extra, steps, (t0, t_sampled, t_trained, time.perf_counter()))
@@ -379,6 +379,7 @@ class Trainer:
 
     def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> BatchSteps:
         """Optimizer steps over the batch, split into `mini_batches` of whole rollouts."""
+        self._sleep_samplers()  # no step trains beside a sampler's memory
         budget, world = self.cfg.train.token_budget, self.ctx.world_size
         share = self.cfg.train.share_prefix
         size = math.ceil(len(rollouts) / mini_batches)
@@ -437,11 +438,21 @@ class Trainer:
     # --- sampler and evaluation ----------------------------------------------------------------
 
     def _sync_sampler(self) -> None:
-        """Push the policy's weights into a sampler that holds its own copy, unless it holds
-        this step's already."""
-        if self.samplers.owns_weights and self.sampler_step != self.step:
+        """Ready the samplers to sample with this step's weights: push the policy's into a
+        sampler that holds its own copy (train and eval share it), unless it holds this step's
+        already. The push wakes a sleeping vLLM engine; nothing else does."""
+        if self.sampler_step == self.step:
+            return
+        if self.samplers.owns_weights:
             self.sampler.push_weights(full_parameters(self.policy))
-            self.sampler_step = self.step
+        self.sampler_step = self.step
+
+    def _sleep_samplers(self) -> None:
+        """Every sampler frees what it holds on the device (vLLM: weights and KV cache; torch:
+        its decode cache; a no-op for one asleep already); `_sync_sampler` brings them back."""
+        for sampler in (self.samplers.train, self.samplers.eval):
+            sampler.sleep()
+        self.sampler_step = None
 
     def _evaluate(self, label: str) -> None:
         """Held-out eval packs of each environment, split over the ranks (no rank idles in a
@@ -470,8 +481,8 @@ class Trainer:
             summary = report["summaries"][env]["cod"]
             self.log.evaluation(name, self.step, summary, env=env)
             self._report_eval(dataclasses.replace(progress, done=done + 1, summary=summary))
-        if not self.local_sampling:
-            self.sampler.sleep()
+        if not self.local_sampling:  # the rollout workers sample the next batches
+            self._sleep_samplers()
 
     def _report_eval(self, progress: EvalProgress) -> None:
         if self.on_eval is not None:

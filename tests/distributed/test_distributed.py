@@ -11,10 +11,12 @@ from __future__ import annotations
 import copy
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import ProcessException
 
 from cod_fast.distributed.context import (
@@ -28,8 +30,20 @@ from cod_fast.distributed.context import (
 )
 from cod_fast.distributed.fsdp import full_parameters, load_model_state, model_state, shard_policy
 from cod_fast.distributed.optim_state import load_optimizer_state, optimizer_state
+from cod_fast.model.loading import load_policy
+from cod_fast.model.policy import Policy
 from tests import dist_worker
-from tests.dist_worker import GRAD_CLIP, NEXT_STEP, STEPS, fresh, step_batch, train
+from tests.dist_worker import (
+    GRAD_CLIP,
+    KEEP_ALL,
+    NEXT_STEP,
+    STEPS,
+    TINY,
+    fresh,
+    start_rank,
+    step_batch,
+    train,
+)
 
 pytestmark = pytest.mark.slow  # runs, processes or benchmarks: seconds each
 
@@ -85,12 +99,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(one_process, tmp_path_factory):
-    """Both ranks' results of tests/dist_worker.py; a rank's traceback fails the tests."""
-    out = tmp_path_factory.mktemp("ranks")
-    args = (2, free_port(), str(out), str(one_process["state_path"]))
-    job = mp.start_processes(dist_worker.run, args=args, nprocs=2, join=False, start_method="spawn")
+def two_ranks(fn, out, *args) -> list[dict]:
+    """Both ranks' results of `fn(rank, 2, port, out, *args)`, which torch.saves them to
+    out/rank{r}.pt; a rank's traceback fails the test."""
+    args = (2, free_port(), str(out), *args)
+    job = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + WORKER_TIMEOUT_S
     try:
         while not job.join(timeout=max(deadline - time.monotonic(), 0)):
@@ -103,7 +116,14 @@ def ranks(one_process, tmp_path_factory):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ranks(one_process, tmp_path_factory):
+    """Both ranks' results of tests/dist_worker.py."""
+    out = tmp_path_factory.mktemp("ranks")
+    return two_ranks(dist_worker.run, out, str(one_process["state_path"]))
 
 
 # --- two gloo ranks against one process --------------------------------------------------------
@@ -188,6 +208,40 @@ def test_hsdp_mesh_trains_like_one_process(one_process, ranks):
     assert_states_close(ranks[0]["hsdp_state"], one_process["first_step_state"])
 
 
+def frozen_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    """One rank of test_a_frozen_policy_reshards_its_root_after_a_forward: which parameters
+    are sharded DTensors after a no-grad log-prob forward, for a training and a frozen policy."""
+    start_rank(rank, world_size, port)
+    ctx = init_distributed("cpu")
+    batch = step_batch(STEPS[0], world_size)[0][rank][0]
+    got = {}
+    for frozen in (False, True):
+        model, _ = load_policy(TINY, "cpu", seed=1)
+        policy = shard_policy(Policy(model), ctx, frozen=frozen)
+        policy.eval().requires_grad_(False)
+        with torch.no_grad():
+            logp = policy(batch, loss_config=KEEP_ALL, mode="logprobs")
+        sharded = {n: isinstance(p, DTensor) for n, p in policy.model.named_parameters()}
+        got[frozen] = {"sharded": sharded, "logp": logp}
+    torch.save(got, Path(out) / f"rank{rank}.pt")
+    shutdown(ctx)
+
+
+def test_a_frozen_policy_reshards_its_root_after_a_forward(tmp_path):
+    """On 2 FSDP2 ranks, after a no-grad log-prob forward (the KL reference's only use) a
+    training policy's root parameters (embeddings, final norm, tied LM head) stay gathered,
+    torch's default for a root, while its layers reshard; a policy sharded `frozen` (the
+    reference) has every parameter a sharded DTensor again, and the same log-probs."""
+    for rank in two_ranks(frozen_rank, tmp_path):
+        training, frozen = rank[False], rank[True]
+        root = [n for n in training["sharded"] if ".layers." not in n]
+        assert root and len(root) < len(training["sharded"])
+        assert not any(training["sharded"][n] for n in root)
+        assert all(v for n, v in training["sharded"].items() if n not in root)
+        assert all(frozen["sharded"].values()), frozen["sharded"]
+        torch.testing.assert_close(frozen["logp"], training["logp"], atol=0, rtol=0)
+
+
 # --- one plain process ------------------------------------------------------------------------
 
 
@@ -227,6 +281,20 @@ def test_one_process_helpers_are_identities():
     assert all_reduce_max(7, ctx) == 7
     barrier(ctx)
     shutdown(ctx)
+
+
+def test_a_frozen_policy_stays_whole_on_a_one_rank_mesh():
+    """A one-rank mesh (mixed precision in one process) shards a training policy, for its
+    float32 masters, but leaves a frozen one (held in the compute dtype) whole."""
+    ctx = init_distributed("cpu", one_rank_mesh=True)
+    try:
+        frozen, _ = fresh(one_process_ctx())
+        assert shard_policy(frozen, ctx, frozen=True) is frozen
+        assert not any(isinstance(p, DTensor) for p in frozen.parameters())
+        training = shard_policy(fresh(one_process_ctx())[0], ctx)
+        assert all(isinstance(p, DTensor) for p in training.parameters())
+    finally:
+        shutdown(ctx)
 
 
 def test_one_process_full_parameters_and_state():

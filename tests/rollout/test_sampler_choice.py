@@ -54,3 +54,70 @@ def test_torch_samplers_follow_rollout_torch_fast_decode(fast):
     assert run.train.fast_decode is fast and run.eval.fast_decode is fast
     run.train.generate([[1, 2, 3]], [2])
     assert (run.train.decode_path == "fast") is fast
+
+
+def _one_process():
+    import torch
+
+    from cod_fast.distributed.context import DistContext
+
+    return DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), mesh=None)
+
+
+def test_a_vllm_plan_writes_the_engine_folder_and_starting_it_starts_the_engine(
+    monkeypatch, tmp_path
+):
+    """plan_samplers takes what vLLM needs of the whole model (the built-in model's folder)
+    and starts no engine; start_samplers starts one engine, from that folder, with the plan's
+    max_model_len, and its two streams (train, eval) share it."""
+    from cod_fast.config.io import load_config
+    from cod_fast.model.loading import load_policy
+    from cod_fast.rollout.vllm_sampler import VLLMSampler
+
+    started = []
+
+    def create(cls, model, **options):
+        started.append((model, options))
+        return cls(object(), temperature=options["temperature"], sampling_params=dict)
+
+    monkeypatch.setattr(choice, "vllm_installed", lambda: True)
+    monkeypatch.setattr(VLLMSampler, "create", classmethod(create))
+    sets = ["rollout.sampler=vllm", "model.num_heads=3", f"runtime.run_dir={tmp_path}"]
+    cfg = load_config("tiny-cpu", overrides=sets)  # heads of 32: the CPU backend takes them
+    model, tokenizer = load_policy(cfg.model, "cpu")
+    plan = choice.plan_samplers(cfg, model, tokenizer, _one_process())
+    assert plan.kind == "vllm" and plan.owns_weights and not started
+    assert plan.source == str(tmp_path / "sampler-model")
+    assert (tmp_path / "sampler-model" / "model.safetensors").exists()
+    run = choice.start_samplers(cfg, plan, tokenizer, _one_process(), {"temperature": 1, "seed": 9})
+    assert [(m, o["max_model_len"]) for m, o in started] == [(plan.source, plan.max_model_len)]
+    assert run.train.engine is run.eval.engine and run.eval.seed == 9
+
+
+def test_vllm_streams_sleep_together_and_only_a_push_wakes_them():
+    """sleep() on either stream puts the engine to sleep once for both (a second sleep does
+    nothing); generate on a sleeping engine is an error naming push_weights, on the CPU too
+    (no sleep mode); the push wakes both streams, and wakes the engine only when it slept."""
+    import torch
+
+    from tests.rollout.test_vllm_sampler import StandInEngine, sampler
+
+    for sleep_mode in (True, False):
+        engine = StandInEngine()
+        train = sampler(engine, sleep_mode=sleep_mode)
+        evaluation = train.with_seed(5)
+        train.push_weights([("w", torch.zeros(2))])  # awake: nothing to wake
+        assert ("wake_up", ("weights",)) not in engine.calls
+        evaluation.sleep()
+        train.sleep()
+        assert train.asleep and evaluation.asleep
+        assert engine.calls.count(("sleep", 2)) == (1 if sleep_mode else 0)
+        for stream in (train, evaluation):
+            with pytest.raises(RuntimeError, match=r"asleep.*push_weights"):
+                stream.generate([[1, 2]], [2])
+        train.push_weights([("w", torch.zeros(2))])
+        assert not evaluation.asleep and len(evaluation.generate([[1, 2]], [2])) == 1
+        wakes = [c for c in engine.calls if c[0] == "wake_up"]
+        assert wakes == (
+            [("wake_up", ("weights",)), ("wake_up", ("kv_cache",))] if sleep_mode else []
+        )

@@ -259,3 +259,15 @@ def test_plan_command_answers_at_real_sizes(args):
     assert out["fits"] == (max(p["bytes"] for p in out["phases"].values()) <= 0.95 * 80 * 2**30)
     if out["fits"]:
         assert out["largest_fitting"]["train.token_budget"] >= 32768
+
+
+@pytest.mark.parametrize("gpus", [1, 8, 16])
+def test_host_memory_of_a_checkpoint_per_node(gpus):
+    """One process: the whole float32 state (weights + 2 AdamW moments) in its host; under
+    torchrun each rank its shard, so a node of 8 holds 8/S of it."""
+    cfg = PRESETS["qwen3-1.7b"]()
+    shape = model_shape(ModelConfig(name_or_path="Qwen/Qwen3-8B"))
+    (term,) = plan_memory(cfg, shape, gpus=gpus).host
+    whole = 3 * shape.params * 4
+    expected = whole if gpus == 1 else min(gpus, 8) * 3 * -(-shape.params // gpus) * 4
+    assert term.bytes == expected
