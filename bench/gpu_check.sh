@@ -2,10 +2,11 @@
 # GPU check of cod-fast, in the order a first look at a GPU needs: a profile of the trainer
 # benchmark's step (fused and logits+eager), the kernel benchmark's h100 and cod-packed cases
 # (today's chunk rule, then the Triton contender with the previous 512 MiB chunks), the
-# train-step benchmark, the torch sampler's decode steps at a Qwen3-0.6B shape (compacting,
-# static shapes, CUDA graphs), a few whole trainer steps in mixed precision (float32 masters,
-# bf16 compute; their sampling time per step is the sampler's real workload), one on-policy
-# distillation step if time allows, and the GPU tests with what time is left.
+# train-step benchmark, the memory plan against the measured peak, the torch sampler's decode
+# steps at a Qwen3-0.6B shape (compacting, static shapes, CUDA graphs), a few whole trainer
+# steps in mixed precision (float32 masters, bf16 compute; their sampling time per step is the
+# sampler's real workload), one on-policy distillation step if time allows, and the GPU tests
+# with what time is left.
 #
 #   bash bench/gpu_check.sh            # from the repository root
 #
@@ -164,6 +165,17 @@ if [ "$IMPORT_RC" -eq 0 ] && have 20; then
     TRAIN="train bench rc=${PIPESTATUS[0]}"
 fi
 
+# 3b'. The memory plan (`cod-fast plan`) against torch.cuda.max_memory_allocated of the 29M
+# model's training step and of two torch-sampler rollouts, float32 (bench/plan.py).
+PLAN="plan check not run"
+if [ "$IMPORT_RC" -eq 0 ] && have 20; then
+    lim=$(limit 40)
+    echo "== memory plan vs measured (limit $lim s)"
+    timeout --kill-after=5 "$lim" python -m cod_fast.bench.plan --device cuda --shape 29m \
+        --out "$OUT" 2>&1 | tee "$OUT/bench_plan.log"
+    PLAN="plan check rc=${PIPESTATUS[0]}"
+fi
+
 # 3c. Decode steps of the torch sampler at a Qwen3-0.6B shape, batch 32 and 128: dropping
 # finished rows vs static shapes vs static shapes replayed as CUDA graphs (bench/decode.py).
 DECODE="decode bench not run"
@@ -285,7 +297,7 @@ for r in ok:
 print("; ".join(parts))
 EOF
 )
-echo "gpu_check: ${GPU} | ${PROFILE} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${DECODE} | ${STEPS} | ${OPD} | pytest ${PYTEST} | ${SUMMARY:-no CSV} | out ${OUT}"
+echo "gpu_check: ${GPU} | ${PROFILE} | ${BENCH[*]:-bench not run} | ${TRAIN} | ${PLAN} | ${DECODE} | ${STEPS} | ${OPD} | pytest ${PYTEST} | ${SUMMARY:-no CSV} | out ${OUT}"
 
 # 6. Optionally one archive of everything but the trainer's checkpoints (a device that hands back
 # only a few small files: OUT=/tmp/gc GPU_CHECK_BUNDLE=$OUT_OF_THE_DEVICE/gpu_check.tgz).

@@ -127,6 +127,25 @@ def bench_launches(
     launches.main(_bench_argv(options) + ["--check"] * check)
 
 
+@bench_app.command("plan")
+def bench_plan(
+    shape: Annotated[
+        str | None, typer.Option(help="tiny or 29m (the trainer benchmark's).")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for plan.csv/.json.")] = None,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 1 when a case is off by more than 15%.")
+    ] = False,
+) -> None:
+    """The memory plan (`cod-fast plan`) against the peak of a real training step and rollout
+    on this device (cod_fast.bench.plan)."""
+    from cod_fast.bench import plan
+
+    options = {"shape": shape, "device": device, "out": out}
+    plan.main(_bench_argv(options) + ["--check"] * check)
+
+
 @bench_app.command("profile")
 def bench_profile(
     tokens: Annotated[int | None, typer.Option(help="Packed tokens of the step batch.")] = None,

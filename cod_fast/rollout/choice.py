@@ -107,9 +107,9 @@ def plan_samplers(cfg: Config, model, tokenizer, ctx: DistContext) -> SamplerPla
 
     A torch sampler in one unsharded process shares the training module, so it needs no
     pushes; under FSDP (several ranks, or mixed precision's float32 masters) it gets a whole
-    copy of its own in the compute dtype, made here: beside the whole master model (4 bytes a
-    parameter in float32) it costs 2 more in bfloat16 (4 in float32) until sharding frees the
-    other ranks' shares of the masters, and it stays for the run. vLLM starts from the model's
+    copy of its own in the compute dtype on the run's device, made here from the model in host
+    memory (the trainer shards the masters from there): 2 bytes a parameter in bfloat16 (4 in
+    float32) on every GPU, for the whole run. vLLM starts from the model's
     own weights: for the built-in model a folder in the run directory that the main rank
     writes here.
     """
@@ -120,7 +120,7 @@ def plan_samplers(cfg: Config, model, tokenizer, ctx: DistContext) -> SamplerPla
         return SamplerPlan(kind, reason, source, owns_weights=True, max_model_len=max_len)
     owns = ctx.sharded
     compute = resolve_dtype(cfg.model, ctx.device)
-    source = copy.deepcopy(model).to(compute) if owns else model
+    source = copy.deepcopy(model).to(device=ctx.device, dtype=compute) if owns else model
     return SamplerPlan(kind, reason, source, owns_weights=owns, max_model_len=max_len)
 
 

@@ -296,8 +296,13 @@ class Checkpointer:
             with atomic_file(self.run_dir / REFERENCE) as tmp:
                 save_file(state, tmp)
         cfg = self.cfg
-        model, _ = load_policy(  # frozen: no master weights
-            cfg.model, self.ctx.device, cfg.train.seed, self.tokenizer, dtype=self.compute_dtype
+        model, _ = load_policy(  # frozen: no master weights; in host memory until sharded
+            cfg.model,
+            self.ctx.device,
+            cfg.train.seed,
+            self.tokenizer,
+            dtype=self.compute_dtype,
+            place="cpu" if self.ctx.distributed else None,
         )
         reference = Policy(model, self.policy.impl)
         reference = shard_policy(reference, self.ctx, frozen=True)  # one process: unsharded

@@ -145,13 +145,16 @@ def plan_memory(
     trainers = gpus - cfg.runtime.rollout_ranks
     rollout = cfg.rollout
     members = math.ceil(rollout.packs_per_step / trainers) * rollout.group_size
-    phases = []
+    phases = [Phase("model load", _load_terms(shape, layout, layout.master.itemsize) + asleep)]
     if cfg.train.warm_start_steps:
         phases.append(Phase("warm start", train + asleep))
     if cfg.train.steps:
         sampling = _sampling_terms(cfg, shape, layout, sampler, members, prompt, gpus, memory)
         phases.append(Phase("sampling", stepped + reference + sampling))
         phases.append(Phase("training step", train + reference + asleep))
+        if kl:  # loaded as RL starts, beside the policy's state
+            loading = _load_terms(shape, dataclasses.replace(layout, sharded=trainers > 1), cb)
+            phases.append(Phase("KL reference load", stepped + asleep + loading))
     if rollout.eval_packs:
         eval_rows = math.ceil(rollout.eval_packs / gpus)
         sampling = _sampling_terms(cfg, shape, layout, sampler, eval_rows, prompt, gpus, memory)
@@ -171,10 +174,29 @@ def plan_memory(
     ]
     per_node = min(gpus, GPUS_PER_NODE)
     sharded_format = trainers > 1 and cfg.runtime.checkpoint_format == "auto"
-    host = checkpoint_host_terms(shape, layout, per_node, sharded_format)
+    size = layout.master.itemsize
+    how = f"{per_node} ranks x {shape.params:,} parameters x {size} B (each loads it whole)"
+    host = [Term("model load", per_node * shape.params * size, how)]
+    host += checkpoint_host_terms(shape, layout, per_node, sharded_format)
     if teachers:
         host += teacher_host_terms(teachers, per_node, cb)
     return MemoryPlan(shape.name, gpus, device, phases, memory, notes, host)
+
+
+def _load_terms(shape: ModelShape, layout: Layout, itemsize: int) -> list[Term]:
+    """A model's load onto one GPU, in `itemsize` bytes a parameter: whole in one unsharded
+    process; under FSDP2 it waits in host memory and fully_shard moves one unit at a time to
+    the device and shards it (torch/distributed/fsdp/_fully_shard/_fsdp_init.py,
+    _move_states_to_device), so the GPU holds the shards so far and one whole unit."""
+    if not layout.sharded:
+        how = f"{shape.params:,} parameters x {itemsize} B"
+        return [Term("whole model (loading)", shape.params * itemsize, how)]
+    share = math.ceil(shape.params / layout.shards)
+    unit = max(shape.root_params, shape.layer_params)
+    return [
+        Term("shards (loading)", share * itemsize, f"{share:,} parameters x {itemsize} B"),
+        Term("unit being sharded", unit * itemsize, f"{unit:,} parameters x {itemsize} B"),
+    ]
 
 
 def _reference_terms(shape: ModelShape, layout: Layout) -> list[Term]:
@@ -229,6 +251,9 @@ KNOBS = {
     "CUDA graph pool": "rollout.torch_cuda_graphs=false",
     "vLLM": "rollout.vllm_gpu_memory_utilization",
     "KL reference": "algo.loss.beta=0 (no KL term) or more GPUs",
+    "whole model (loading)": "train.master_dtype=model (load in 16 bits), or a smaller model",
+    "shards (loading)": "more GPUs (or a smaller model)",
+    "unit being sharded": "a smaller model",
     "teacher weights": "fewer or smaller algo.teachers",
     "teacher forward": "train.token_budget",
 }

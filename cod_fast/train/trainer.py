@@ -136,24 +136,24 @@ class Trainer:
         self.total_steps = self.warm_steps + cfg.train.steps
         torch.manual_seed(cfg.train.seed)
         self.tokenizer = run_tokenizer(cfg, self.envs, self.settings, self.ctx.is_main)
+        # Under FSDP2 in host memory: fully_shard moves one unit at a time to the device.
+        master, host = self.master_dtype, ("cpu" if self.ctx.sharded else None)
         model, self.tokenizer = load_policy(
-            cfg.model, self.device, cfg.train.seed, self.tokenizer, dtype=self.master_dtype
+            cfg.model, self.device, cfg.train.seed, self.tokenizer, dtype=master, place=host
         )
         self.chat = ChatFormat.for_model(self.tokenizer, cfg.model)
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
-        # What the samplers need of the whole model (vLLM's folder, the torch sampler's copy)
-        # is taken before sharding; vLLM starts after it, when its share of the GPU is free.
         plan = plan_samplers(cfg, model, self.tokenizer, self.ctx)
         self.policy = shard_policy(
             Policy(model, self.impl), self.ctx, compute_dtype=self.compute_dtype
         )
+        # vLLM starts after sharding, when its share of the GPU is free.
         self.samplers = start_samplers(cfg, plan, self.tokenizer, self.ctx, run_eval_sampling(cfg))
         self.sampler: Sampler = self.samplers.train
         self.driver = RolloutDriver(self.envs, self.sampler, self.chat, self.settings)
         self.batches = batches or LocalBatches(cfg, self.driver, self.ctx)
-        # With rollout workers this process's samplers only evaluate: weights before an
-        # evaluation, sleep after it. (vLLM's external launcher makes its groups over every rank
-        # of the job, so a trainer still starts an engine when the workers do.)
+        # With rollout workers this process's samplers only evaluate (vLLM's external launcher
+        # makes its groups over every rank, so a trainer still starts an engine then too).
         self.local_sampling = self.ctx.rollout_ranks == 0
         self.sampler_step: int | None = None
         """The step whose weights the samplers hold, awake (None: asleep, or not pushed yet)."""

@@ -233,11 +233,14 @@ def test_torch_samplers_sleep_before_training(tmp_path, monkeypatch):
 def test_the_engine_starts_after_the_policy_is_sharded(tmp_path, engines, monkeypatch):
     """In mixed precision one process shards its policy over a one-rank mesh: when the vLLM
     engine starts, every parameter of the policy is a sharded DTensor, and the folder the
-    engine starts from holds the whole model, written before sharding."""
-    models, seen = [], []
+    engine starts from holds the whole model, written before sharding. The policy is loaded
+    into host memory (place="cpu"), from where fully_shard moves one unit at a time to the
+    device: on a GPU no device holds the whole model."""
+    models, seen, places = [], [], []
     real_load, real_create = trainer_module.load_policy, VLLMSampler.create.__func__
 
     def load_policy(*args, **kwargs):
+        places.append(kwargs.get("place"))
         models.append(real_load(*args, **kwargs))
         return models[-1]
 
@@ -251,7 +254,7 @@ def test_the_engine_starts_after_the_policy_is_sharded(tmp_path, engines, monkey
     monkeypatch.setattr(VLLMSampler, "create", classmethod(create))
     trainer = Trainer(vllm_config(tmp_path / "run", "model.dtype=bfloat16"))
     try:
-        assert trainer.ctx.sharded and seen == [True, True]
+        assert trainer.ctx.sharded and seen == [True, True] and places == ["cpu"]
         assert isinstance(trainer.sampler, VLLMSampler)
     finally:
         trainer.close()
