@@ -168,7 +168,13 @@ def plan_memory(
         )
         scoring += loss_terms(largest, rows, dev, cb)[1:2]
         phases.append(Phase("teachers", stepped + reference + asleep + scoring))
+    lean = model.lean_activations
+    ways = {
+        ckpt: activation_terms(shape, tokens, cb, lean, ckpt)[0].bytes for ckpt in (True, False)
+    }
     notes = [
+        f"activations at {tokens:,} tokens: {gib(ways[True])} with "
+        f"model.gradient_checkpointing, {gib(ways[False])} without",
         f"rollout prompts counted as {prompt} tokens (--prompt-tokens)",
         f"{HEADROOM:.0%} of each GPU kept free for the allocator; the CUDA context is not counted",
     ]

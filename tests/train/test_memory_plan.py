@@ -211,3 +211,19 @@ def test_the_model_load_holds_one_whole_unit_at_a_time_under_fsdp2():
     one = with_setting(cfg, "train", master_dtype="model")  # bf16 weights: nothing to shard
     (whole,) = plan_memory(one, shape, gpus=1, sampler="vllm").phase("model load").terms
     assert whole.bytes == shape.params * 2
+
+
+def test_the_plan_shows_activations_with_and_without_checkpointing():
+    cfg = PRESETS["qwen3-1.7b"]()
+    shape = model_shape(ModelConfig(name_or_path="Qwen/Qwen3-1.7B"))
+    plan = plan_memory(cfg, shape, gpus=8, sampler="vllm")
+    (note,) = [n for n in plan.notes if n.startswith("activations")]
+    tokens = cfg.train.token_budget
+    with_ckpt, without = (
+        activation_terms(shape, tokens, 2, lean=True, checkpointing=c)[0].bytes
+        for c in (True, False)
+    )
+    assert (
+        f"{with_ckpt / 2**30:.2f} GiB with" in note and f"{without / 2**30:.2f} GiB without" in note
+    )
+    assert without > 5 * with_ckpt  # 28 layers' activations against their inputs and one layer
