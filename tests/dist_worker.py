@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+import time
 from pathlib import Path
 
+import pytest
 import torch
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from cod_fast import LossConfig
 from cod_fast.config import ModelConfig
@@ -70,6 +75,35 @@ def train(policy, optimizer, step, ctx) -> dict:
         grad_clip=GRAD_CLIP,
     )
     return vars(result)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, for a job's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(fn, world: int, args: tuple, out, timeout_s: float, what: str) -> list[dict]:
+    """Every rank's results of `fn(rank, world, port, *args)`, which torch.saves them to
+    out/rank{r}.pt; a rank's traceback, or a job past `timeout_s`, fails the test (`what` names
+    the job in the message)."""
+    job = mp.start_processes(
+        fn, args=(world, free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not job.join(timeout=max(deadline - time.monotonic(), 0)):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the {what} job did not finish in {timeout_s} s")
+    except ProcessException as err:
+        pytest.fail(f"a rank of the {what} job failed:\n{err}", pytrace=False)
+    finally:
+        for proc in job.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def start_rank(rank: int, world_size: int, port: int) -> None:

@@ -9,15 +9,11 @@ same steps run here in one process.
 from __future__ import annotations
 
 import copy
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.spawn import ProcessException
 
 from cod_fast.distributed.context import (
     DistContext,
@@ -40,6 +36,7 @@ from tests.dist_worker import (
     STEPS,
     TINY,
     fresh,
+    spawn_ranks,
     start_rank,
     step_batch,
     train,
@@ -93,30 +90,10 @@ def one_process(tmp_path_factory):
     return got
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_ranks(fn, out, *args) -> list[dict]:
     """Both ranks' results of `fn(rank, 2, port, out, *args)`, which torch.saves them to
     out/rank{r}.pt; a rank's traceback fails the test."""
-    args = (2, free_port(), str(out), *args)
-    job = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    try:
-        while not job.join(timeout=max(deadline - time.monotonic(), 0)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the 2-rank job did not finish in {WORKER_TIMEOUT_S} s")
-    except ProcessException as err:
-        pytest.fail(f"a rank of the 2-rank job failed:\n{err}", pytrace=False)
-    finally:
-        for proc in job.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return spawn_ranks(fn, 2, (str(out), *args), out, WORKER_TIMEOUT_S, "2-rank")
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import errno
 import json
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.spawn import ProcessException
 
 from cod_fast.distributed.fsdp import model_shards, model_state
 from cod_fast.distributed.optim_state import optimizer_shards, optimizer_state
@@ -31,7 +27,7 @@ from cod_fast.run.checkpoint import (
 )
 from cod_fast.run.sharded import INDEX, rank_file, read_index
 from cod_fast.train.trainer import Trainer
-from tests.dist_worker import start_rank
+from tests.dist_worker import spawn_ranks, start_rank
 from tests.run.test_sharded_checkpoint import assert_same
 from tests.train.test_trainer import TIMING, config
 
@@ -46,12 +42,6 @@ MODEL = (
     "train.steps=2",
 )
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _counted(counts: dict[str, int]) -> None:
@@ -136,21 +126,8 @@ def _run_job(
 ) -> list[dict]:
     """Every rank's results of one job; a rank's traceback fails the test."""
     out.mkdir(parents=True, exist_ok=True)
-    args = (world, _free_port(), str(run_dir), str(out), role, settings)
-    job = mp.start_processes(_job, args=args, nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not job.join(timeout=max(deadline - time.monotonic(), 0)):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the {world}-rank {role} job did not finish in {JOB_TIMEOUT_S} s")
-    except ProcessException as err:
-        pytest.fail(f"a rank of the {world}-rank {role} job failed:\n{err}", pytrace=False)
-    finally:
-        for proc in job.processes:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    args = (str(run_dir), str(out), role, settings)
+    return spawn_ranks(_job, world, args, out, JOB_TIMEOUT_S, f"{world}-rank {role}")
 
 
 @pytest.fixture(scope="module")

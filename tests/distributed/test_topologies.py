@@ -21,7 +21,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 from cod_fast.distributed.comm_check import check
 from cod_fast.run.checkpoint import latest_checkpoint, read_model_state
 from tests.async_rl.test_async_rl import rank_pid
+from tests.dist_worker import free_port
 from tests.train.test_trainer import FAST, TIMING
 
 pytestmark = pytest.mark.slow
@@ -54,12 +54,6 @@ def _env(trace: Path) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "COD_FAST_COMM_TRACE": str(trace)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _commands(run_dir: Path, nodes: int, per_node: int, extra: list[str]) -> list[list[str]]:
     """One torchrun launcher per node; one node is --standalone, more meet on the loopback
     address as separate launchers would on separate machines."""
@@ -69,7 +63,7 @@ def _commands(run_dir: Path, nodes: int, per_node: int, extra: list[str]) -> lis
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(per_node)]
     if nodes == 1:
         return [[*run, "--standalone", *train]]
-    port = str(_free_port())
+    port = str(free_port())
     meet = ["--nnodes", str(nodes), "--master_addr", "127.0.0.1", "--master_port", port]
     return [[*run, *meet, "--node_rank", str(node), *train] for node in range(nodes)]
 
