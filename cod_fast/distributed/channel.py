@@ -158,8 +158,23 @@ class WeightPublisher:
         while self.pending and self.pending[0][0] <= arrived:
             _, copies = self.pending.popleft()
             works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in copies]
-            for work in works:  # one pipeline of broadcasts, all done before anything else
-                work.wait()
+            wait_all(works)
+
+
+def wait_all(works: list[dist.Work]) -> None:
+    """Wait for every work, then raise the first failure: a broadcast that fails (a worker
+    died or timed out) must not leave the ones after it pending while the trainer goes on to
+    use another group (on NCCL that stalls the trainer). A failure closes the connection, so
+    the ones after it fail at once (gloo's pair closure; NCCL's watchdog aborts the
+    communicator)."""
+    failure: RuntimeError | None = None
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def receive_weights(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
