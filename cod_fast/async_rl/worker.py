@@ -26,6 +26,7 @@ from cod_fast.distributed.channel import (
 )
 from cod_fast.distributed.context import DistContext
 from cod_fast.distributed.host_memory import keep_freed_memory
+from cod_fast.distributed.threads import apply_threads
 from cod_fast.envs import make_envs
 from cod_fast.eval.evaluate import run_eval_sampling
 from cod_fast.model.loading import load_policy, resolve_dtype
@@ -57,6 +58,7 @@ class RolloutWorker:
         )
         if cfg.runtime.keep_freed_memory and ctx.device.type == "cpu":
             keep_freed_memory()
+        apply_threads(cfg.runtime.threads)  # before its sampler: vLLM's CPU engine fixes them
         envs = make_envs(cfg.rollout.environments)
         settings = DriverSettings.from_config(cfg)
         torch.manual_seed(cfg.train.seed)

@@ -327,3 +327,26 @@ def bench_distill(
 
     options = {"seeds": seeds, "jobs": jobs, "out": out}
     distill_bench.main(_bench_argv(options, set=overrides))
+
+
+@bench_app.command("concurrent")
+def bench_concurrent(
+    runs: Annotated[int | None, typer.Option(help="Runs side by side [3].")] = None,
+    steps: Annotated[int | None, typer.Option(help="Warm-start steps per run [150].")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="runtime.threads of every run \\[torch's default].")
+    ] = None,
+    compare: Annotated[
+        bool,
+        typer.Option("--compare", help="Also under OMP_WAIT_POLICY=ACTIVE and libgomp's default."),
+    ] = False,
+    overrides: SetOption = None,
+    out: Annotated[Path | None, typer.Option(help="The JSON file.")] = None,
+) -> None:
+    """tiny-cpu warm starts one after another, then all at once, under cod-fast's OpenMP wait
+    policy (and the old ones): wall times and the slowdown of sharing cores
+    (cod_fast.bench.concurrent_runs)."""
+    from cod_fast.bench import concurrent_runs
+
+    options = {"runs": runs, "steps": steps, "threads": threads, "out": out}
+    concurrent_runs.main(_bench_argv(options, set=overrides) + ["--compare"] * compare)

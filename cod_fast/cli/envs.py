@@ -28,17 +28,22 @@ EnvOptions = Annotated[
     list[str] | None,
     typer.Option(
         "--option",
-        help="KEY=VALUE for the environment's constructor, repeatable (learn2ask: cases=FILE).",
+        help=(
+            "KEY=VALUE for the environment's constructor, repeatable (learn2ask: cases=FILE); "
+            "the value is converted to the parameter's annotated type (tries=3 gives an int)."
+        ),
     ),
 ]
 
 
 def _make_env(name: str, setting: str, size: str, options: list[str] | None = None):
     """The environment the arguments name, with the `--option` KEY=VALUE pairs for its
-    constructor; a malformed pair or a name that makes no environment is one red line."""
+    constructor (text, converted by `make_env` to the types its parameters are annotated with);
+    a malformed pair, a value that does not convert or a name that makes no environment is one
+    red line."""
     from cod_fast.envs import make_env
 
-    given = {}
+    given: dict[str, str] = {}
     for item in options or ():
         key, sep, value = item.partition("=")
         if not (sep and key.strip()):
@@ -115,7 +120,9 @@ def envs_check(
 ) -> None:
     """Check an environment against the contract the built-in ones pass (cod_fast.envs.check):
     its declarations, both settings, determinism, hostile actions, rewards in its range, its
-    solver and explorer. One line per check; exit code 1 if any failed."""
+    solver, its explorer (no worse late in a pack than first: a hidden rule per pack) and its
+    hint entries read back from the hints it renders. One line per check; exit code 1 if any
+    failed."""
     from cod_fast.envs import EnvironmentLookupError
     from cod_fast.envs.check import run_checks
 

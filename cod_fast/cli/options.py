@@ -52,7 +52,10 @@ def resolve_config(
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", FutureWarning)
                 cfg = load_config(
-                    preset, None if config_file is None else str(config_file), overrides or ()
+                    preset,
+                    None if config_file is None else str(config_file),
+                    overrides or (),
+                    choose_preset=_chosen_preset,
                 )
             _show_warnings(caught)
         validate(cfg, folders=False)  # the folders are checked by the preflight
@@ -65,6 +68,22 @@ def resolve_config(
         return cfg
     except ConfigError as e:
         refuse(e)
+
+
+def _chosen_preset(model: str) -> str:
+    """The preset for a config that names its own model and no preset
+    (cod_fast.model.preset_choice), said in one line on stderr."""
+    from cod_fast.model.preset_choice import preset_for  # imports transformers
+
+    name, params = preset_for(model)
+    Console(stderr=True).print(
+        f"note: starting from preset {name} (sized nearest to {model}, {params / 1e9:.2f}B "
+        "parameters); name another with --preset or a `preset:` key",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    return name
 
 
 def _show_warnings(caught: list[warnings.WarningMessage]) -> None:

@@ -20,6 +20,7 @@ from cod_fast.rollout.choice import choose_sampler
 from cod_fast.train.memory_plan import (
     GIB,
     MemoryPlan,
+    check_fits,
     largest_fitting,
     plan_memory,
     with_setting,
@@ -121,6 +122,15 @@ def _limits(cfg: Config, plan_of) -> dict:
     }
 
 
+def _why_not(result: MemoryPlan) -> str | None:
+    """The refusal the preflight would give this plan on its device (None: it fits)."""
+    try:
+        check_fits(result)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def _as_dict(result: MemoryPlan, sampler: str, limits: dict) -> dict:
     return {
         "model": result.model,
@@ -133,6 +143,8 @@ def _as_dict(result: MemoryPlan, sampler: str, limits: dict) -> dict:
             p.name: {"bytes": p.bytes, "terms": [dataclasses.asdict(t) for t in p.terms]}
             for p in result.phases
         },
+        "vllm_need_and_share": result.engine,
+        "why_not": _why_not(result),
         "host_per_node": [dataclasses.asdict(t) for t in result.host],
         "largest_fitting": {k: v for k, v in limits.items() if not k.startswith("_")},
         "notes": result.notes,
@@ -163,6 +175,8 @@ def _show(result: MemoryPlan, sampler: str, limits: dict) -> None:
             f"peak: {peak.name}, {peak.bytes / GIB:.2f} GiB of {result.usable / GIB:.2f} usable "
             f"GiB a GPU: {verdict}"
         )
+        if why := _why_not(result):
+            console.print(f"why: {why}", markup=False, highlight=False)
         now = limits["_now"]
         for key in ("train.token_budget", "rollout.group_size", "model"):
             if key in limits and limits[key] is not None:

@@ -16,19 +16,29 @@ from rich.text import Text
 
 from cod_fast.cli.common import bad_model_input, fail, refuse, report
 from cod_fast.cli.options import ConfigFileOption, PresetOption, SetOption, resolve_config
+from cod_fast.cli.resume import resumed_config
 from cod_fast.cli.train_display import print_summary, run_with_progress
 from cod_fast.config import Config, ConfigError
 from cod_fast.config.io import dump_yaml
 
 
 def train(
+    run: Annotated[
+        Path | None,
+        typer.Argument(
+            help="With --resume: the run directory to continue (default: runtime.run_dir).",
+            show_default=False,
+        ),
+    ] = None,
     preset: PresetOption = None,
     config_file: ConfigFileOption = None,
     overrides: SetOption = None,
     resume: Annotated[
         bool,
         typer.Option(
-            "--resume", help="Continue the run in runtime.run_dir from its latest checkpoint."
+            "--resume",
+            help="Continue a run from its latest checkpoint, with its own config (RUN/config.yaml"
+            "; --config and --set change it, checked against the checkpoint).",
         ),
     ] = False,
     init_from: Annotated[
@@ -42,12 +52,23 @@ def train(
 ) -> None:
     """Train a policy: warm start (if configured), then CoD (or task-by-task) RL.
 
-    Without arguments: the tiny-cpu preset, a tiny model on the CPU. Ctrl-C or SIGTERM finishes
-    the step, saves a checkpoint and exits (code 128 + signal); `--resume` continues from it.
+    Without arguments: the tiny-cpu preset, a tiny model on the CPU; a config that names its own
+    model and no preset starts from the GPU preset sized nearest to it. Ctrl-C or SIGTERM
+    finishes the step, saves a checkpoint and exits (code 128 + signal); a third signal exits at
+    once, saying how many steps are lost. `--resume RUN` continues the run in RUN.
     """
     if init_from is not None:
         overrides = [*(overrides or []), f"train.init_from={init_from}"]
-    _checked_run(resolve_config(preset, config_file, overrides), resume, Console())
+    if run is not None and not resume:
+        fail(
+            f"a run directory ({run}) without --resume: pass --resume to continue it, or "
+            f"--set runtime.run_dir={run} to start a run there"
+        )
+    if resume:
+        cfg = resumed_config(run, preset, config_file, overrides or [])
+    else:
+        cfg = resolve_config(preset, config_file, overrides)
+    _checked_run(cfg, resume, Console())
 
 
 def _checked_run(cfg: Config, resume: bool, console: Console, *, last: bool = True) -> None:
@@ -106,6 +127,8 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
                 f"{trainer.ctx.world_size} process(es); sampler {trainer.samplers.kind} "
                 f"({trainer.samplers.reason})"
             )
+        if trainer.ctx.is_main:
+            trainer.on_signal = lambda count: _say_stopping(trainer, count)
         summary = run_with_progress(trainer, resume, console)
     except _run_errors() as e:
         report(e)
@@ -113,9 +136,8 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
             _exit_without_groups(trainer)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        Console(stderr=True).print(
-            "interrupted (no checkpoint of the unfinished step)", style="red"
-        )
+        if trainer is not None and trainer.ctx.is_main:
+            _red(f"stopped at once, without a checkpoint: {_unsaved(trainer)}")
         stop = trainer.stop_signal if trainer is not None else None
         raise typer.Exit(128 + (stop or signal.SIGINT)) from None
     finally:
@@ -129,6 +151,38 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
         shutdown(trainer.ctx)
     if summary["signal"] is not None:  # stopped on request: 128 + signal, as a shell reports it
         raise typer.Exit(128 + summary["signal"])
+
+
+def _unsaved(trainer) -> str:
+    """What a stop at once loses: the steps finished since the run's latest checkpoint, and
+    the one in progress."""
+    from cod_fast.run.checkpoint import latest_checkpoint
+
+    saved = latest_checkpoint(trainer.run_dir)
+    at = 0 if saved is None else saved.step
+    since = f"the checkpoint of step {at}" if saved is not None else "the start (no checkpoint)"
+    lost = f"the {trainer.step - at} step(s) finished since {since} and the one in progress"
+    resume = f"; --resume {trainer.run_dir} continues from step {at}" if saved is not None else ""
+    return f"{lost} are lost{resume}"
+
+
+def _say_stopping(trainer, count: int) -> None:
+    """What a stop signal does, said as it arrives (a signal handler: one short write)."""
+    if count == 1:
+        text = (
+            "stopping: the step in progress finishes, then a checkpoint is written and the run "
+            "ends (--resume continues it); to exit at once, press Ctrl-C twice more"
+        )
+    else:
+        text = (
+            "still finishing the step in progress to checkpoint it; one more Ctrl-C exits at "
+            f"once and loses it: {_unsaved(trainer)}"
+        )
+    _red(text)
+
+
+def _red(text: str) -> None:
+    Console(stderr=True).print(text, style="red", markup=False, highlight=False, soft_wrap=True)
 
 
 def _lost_workers(error: BaseException) -> bool:

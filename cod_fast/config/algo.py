@@ -85,7 +85,8 @@ class AlgoConfig(_Config):
     gamma: float | None = None
     """Discount in (0, 1] for return_style `discounted`; set exactly when that style is used."""
     std_norm: bool = False
-    """Divide advantages by the group's standard deviation."""
+    """Divide CoD advantages by the group's standard deviation (task_by_task always does, as
+    GRPO)."""
     red_weight: bool | None = None
     """Adaptive re-weighting that keeps the token-weighted mean advantage >= 0; null: on for
     `cod`, off for `task_by_task` (plain GRPO, docs/concepts.md section 3). `use_red_weight` is the

@@ -59,6 +59,8 @@ class _Config:
         hints = type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value, hint = getattr(self, f.name), hints[f.name]
+            if problem := _mapping_problem(f.name, value, hint):
+                raise problem
             if not _fits(value, hint):
                 raise ConfigError(f.name, f"got {shown(value)}; expected {_describe(hint)}")
             if type(value) in (int, float) and float in (hint, *typing.get_args(hint)):
@@ -117,6 +119,24 @@ def _fits(value: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, hint)
+
+
+def _mapping_problem(name: str, value: Any, hint: Any) -> ConfigError | None:
+    """The first value of a mapping field that does not fit its item type (a nested mapping
+    where `rollout.env_options` takes one scalar), or a number in it that is not finite (the
+    fields' rule), named by its key; None when there is none."""
+    if typing.get_origin(hint) is not dict or not isinstance(value, dict):
+        return None
+    key_hint, item = typing.get_args(hint)
+    numbers = float in (item, *typing.get_args(item))
+    for key, one in value.items():
+        if not _fits(key, key_hint):
+            return None  # the whole mapping's error names the key's type
+        if not _fits(one, item):
+            return ConfigError(f"{name}.{key}", f"got {shown(one)}; expected {_describe(item)}")
+        if numbers and type(one) in (int, float) and not _finite(one):
+            return ConfigError(f"{name}.{key}", f"got {shown(one)}; expected a finite number")
+    return None
 
 
 def _finite(number: float) -> bool:

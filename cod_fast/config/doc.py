@@ -17,6 +17,7 @@ import functools
 import inspect
 import itertools
 import operator
+import re
 import textwrap
 import types
 import typing
@@ -24,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from cod_fast.config import DERIVED, Config
+from cod_fast.config import DERIVED, Config, LossConfig
 from cod_fast.config.base import type_hints
 from cod_fast.config.io import to_dict
 from cod_fast.config.presets import DEFAULT_PRESET, PRESETS
@@ -50,6 +51,7 @@ COUNTERPARTS: dict[str, tuple[str, str]] = {
     "rollout.vllm_eager": ("", "actor_rollout_ref.rollout.enforce_eager"),
     "rollout.eval_temperature": ("", "actor_rollout_ref.rollout.val_kwargs.temperature"),
     "algo.std_norm": ("scale_rewards", "algorithm.norm_adv_by_std_in_grpo"),
+    "algo.old_logp": ("", "algorithm.rollout_correction.bypass_mode"),
     "algo.loss.ratio_level": ("importance_sampling_level", ""),
     "algo.loss.eps_low": ("epsilon", "actor_rollout_ref.actor.clip_ratio_low"),
     "algo.loss.eps_high": ("epsilon_high", "actor_rollout_ref.actor.clip_ratio_high"),
@@ -60,6 +62,11 @@ COUNTERPARTS: dict[str, tuple[str, str]] = {
     "algo.loss.agg": ("loss_type", "actor_rollout_ref.actor.loss_agg_mode"),
     "train.steps": ("max_steps", "trainer.total_training_steps"),
     "train.lr": ("learning_rate", "actor_rollout_ref.actor.optim.lr"),
+    "train.lr_warmup": ("warmup_steps", "actor_rollout_ref.actor.optim.lr_warmup_steps"),
+    "train.lr_schedule": ("lr_scheduler_type", "actor_rollout_ref.actor.optim.lr_scheduler_type"),
+    "train.lr_min_ratio": ("", "actor_rollout_ref.actor.optim.min_lr_ratio"),
+    "train.mini_batches": ("steps_per_generation", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    "train.epochs": ("num_iterations", "actor_rollout_ref.actor.ppo_epochs"),
     "train.weight_decay": ("weight_decay", "actor_rollout_ref.actor.optim.weight_decay"),
     "train.grad_clip": ("max_grad_norm", "actor_rollout_ref.actor.grad_clip"),
     "train.token_budget": ("", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
@@ -234,8 +241,10 @@ do not edit by hand._
 A run's configuration is one tree of sections (`model`, `rollout`, `algo` with `algo.loss`,
 `train`, `runtime`), resolved in three layers, each validated as a whole:
 
-1. a named preset, `--preset NAME` (default: a config file's top-level `preset:` key, else
-   `{DEFAULT_PRESET}`); the presets are listed at the end;
+1. a named preset, `--preset NAME` (default: a config file's top-level `preset:` key; else
+   `{DEFAULT_PRESET}` for a config that keeps the built-in model, and for one that names its
+   own model (`model.name_or_path`) the GPU preset sized nearest to it, said in a `note:` line;
+   docs/models.md); the presets are listed in "Presets";
 2. a YAML file, `--config FILE`, deep-merged over the preset: it names only the keys it changes,
    e.g. `train: {{steps: 10}}`;
 3. overrides, `--set a.b.c=VALUE` (repeatable, applied in order); values are YAML (`null`, `3`,
@@ -245,12 +254,125 @@ A run's configuration is one tree of sections (`model`, `rollout`, `algo` with `
 `--config` reads back; `cod-fast config show --explain` prints every key with its value, type,
 default and meaning, and `--key rollout` keeps the keys of one section.
 
-The default column holds the fields' own defaults; a run starts from a preset (`{DEFAULT_PRESET}`
-unless it names another), and the keys a preset changes are in the last table. Types are
+The default column holds the fields' own defaults; a run starts from a preset (above), and
+the keys a preset changes are in the "Presets" table. Types are
 written in YAML's words: `null` is YAML's null, `bool` is `true` or `false`. The last
 column names the closest setting of TRL's `GRPOConfig` (1.16) and of verl's `ppo_trainer.yaml`
-where there is one; their values may be spelled differently.
+where there is one; their values may be spelled differently. The last section, "Coming from TRL /
+verl", sets their defaults beside cod-fast's.
 """
+
+COMING_FROM = """\
+## Coming from TRL / verl
+
+The defaults of the settings most often set, beside TRL's `GRPOConfig` and verl's PPO trainer,
+and why cod-fast's differ. Read from TRL 1.16.0 (the PyPI release): `trl/trainer/grpo_config.py`, \
+`trl/trainer/base_config.py`, and transformers 5.19.0's `TrainingArguments` for the fields \
+GRPOConfig inherits (seed, schedule, warmup, weight decay, clipping); and verl v0.9.0 \
+(verl-project/verl, commit 483b8a0): `verl/trainer/config/ppo_trainer.yaml` (its `algorithm` \
+section) with `actor/actor.yaml`, `optim/fsdp.yaml`, `engine/fsdp.yaml`, `rollout/rollout.yaml`, \
+`model/hf_model.yaml`, `data/legacy_data.yaml` and `algorithm/rollout_correction.yaml` \
+(flattened in `_generated_ppo_trainer.yaml`); verl's `actor.`, `rollout.` and `model.` keys are \
+under `actor_rollout_ref.`. The cod-fast column is the field's default, then the default \
+preset's and the `qwen3-*` presets' values where they differ.
+
+| setting | cod-fast default | TRL (GRPOConfig) | verl | why cod-fast differs |
+|---|---|---|---|---|
+| learning rate, `train.lr` | {train.lr} | `learning_rate` 1e-6 | `actor.optim.lr` 1e-6 | A run \
+starts from a preset: the `qwen3-*` ones train at 1e-6 (so did the CoD paper's Qwen3 runs), \
+`tiny-cpu` a 0.35M-parameter model at the best of the rates measured (docs/benchmarks.md). |
+| warmup, `train.lr_warmup` | {train.lr_warmup} | `warmup_steps` 0 | \
+`actor.optim.lr_warmup_steps` -1 (ratio 0.0): none | The same. In a warmup, RL step j trains at \
+lr x j / lr_warmup; transformers' schedules start at 0. |
+| schedule, `train.lr_schedule`, floor `train.lr_min_ratio` | {train.lr_schedule}, \
+{train.lr_min_ratio} | `lr_scheduler_type` `linear`, to 0 as the run ends | \
+`actor.optim.lr_scheduler_type` `constant`, `min_lr_ratio` 0.0 | As verl; the runs of \
+docs/benchmarks.md trained at a constant rate. TRL's is `train.lr_schedule=linear`. |
+| KL coefficient, `algo.loss.beta` | {algo.loss.beta} | `beta` 0.0 | `actor.use_kl_loss` false \
+(`kl_loss_coef` 0.001 once on) | The same: no reference model is built or run. |
+| KL estimator, `algo.loss.kl` | {algo.loss.kl} | k3, fixed | `actor.kl_loss_type` `low_var_kl` \
+(k3 clipped to [-10, 10]) | cod-fast has k1, k2 and k3; a KL term (beta > 0) must name one. |
+| clip low, `algo.loss.eps_low` | {algo.loss.eps_low} | `epsilon` 0.2 | `actor.clip_ratio_low` 0.2 \
+| The same. |
+| clip high, `algo.loss.eps_high` | {algo.loss.eps_high} | `epsilon_high` null (= `epsilon`) | \
+`actor.clip_ratio_high` 0.2 | The same; the presets' 0.28 is DAPO's clip-higher, which TRL's \
+documentation recommends. |
+| policy loss, `algo.loss.policy` | {algo.loss.policy} | PPO-clip | \
+`actor.policy_loss.loss_mode` `vanilla` (PPO-clip) | The same; the presets run one-side REC, \
+the CoD paper's loss (docs/concepts.md section 4). |
+| advantage std normalisation, `algo.std_norm` | {algo.std_norm} | `scale_rewards` `group` \
+(divided by the group's std) | `algorithm.norm_adv_by_std_in_grpo` true | CoD advantages are \
+centred, not divided, as in the CoD paper's runs (Trinity-RFT `examples/research_cod`: \
+`std_cal_level: none`); TRL's documentation cites Dr. GRPO for the same choice (the division \
+biases by question difficulty). The task-by-task baseline always divides, as GRPO does \
+(docs/concepts.md section 3). |
+| loss aggregation, `algo.loss.agg` | {algo.loss.agg} | `loss_type` `dapo` (the global batch's \
+token mean) | `actor.loss_agg_mode` `token-mean` | The same; each value's counterparts are in \
+the next table. |
+| old log-probs, `algo.old_logp`; `algo.loss.rollout_correction` | {algo.old_logp}; \
+{algo.loss.rollout_correction} | recomputed when vLLM samples (its importance correction is on \
+by default: `sequence_mask`, at most 3) or generation and updates are out of step | \
+`algorithm.rollout_correction.bypass_mode` false: recomputed; `rollout_is` null | The ratio is \
+taken against the sampler's log-probs: no extra forward, and the ratio measures the whole \
+distance to the policy that sampled, staleness included (docs/async.md); a correction then \
+changes nothing (docs/concepts.md section 4). |
+| epochs per batch, `train.epochs` | {train.epochs} | `num_iterations` 1 | `actor.ppo_epochs` 1 | \
+The same. |
+| optimizer steps per batch, `train.mini_batches` | {train.mini_batches} | \
+`steps_per_generation` null (= `gradient_accumulation_steps`, 1) | `data.train_batch_size` 1024 / \
+`actor.ppo_mini_batch_size` 256: 4 | As TRL; on `tiny-cpu` two did no better \
+(docs/benchmarks.md). |
+| group size, `rollout.group_size` | {rollout.group_size} | `num_generations` 8 | `rollout.n` 1 \
+(GRPO runs set it) | As TRL and the CoD paper's runs; the baseline is a group mean. |
+| batch, `rollout.packs_per_step` | {rollout.packs_per_step} | `per_device_train_batch_size` 8 \
+completions | `data.train_batch_size` 1024 prompts | A pack is K tasks played as one rollout \
+(2K - 1 episodes); a step trains packs x group_size of them. |
+| temperature, `rollout.temperature` | {rollout.temperature} | `temperature` 1.0 | \
+`rollout.temperature` 1.0 | The same; the loss divides the logits by it too. |
+| top_p, `rollout.top_p` | {rollout.top_p} | `top_p` 1.0 | `rollout.top_p` 1 | The same; below 1 \
+is refused with RL steps (the sampler's log-probs would be over the nucleus). |
+| response length, `rollout.max_response_tokens` | {rollout.max_response_tokens} | \
+`max_completion_length` 512 | `data.max_response_length` 512 | The same. |
+| prompt length | no cap; hints at most `rollout.max_hint_tokens` {rollout.max_hint_tokens} | none \
+| `data.max_prompt_length` 512 | A CoD prompt grows along the pack (the hints, and in an update \
+episode the last task's trajectory); a sequence over `train.token_budget` is refused. |
+| vLLM memory share, `rollout.vllm_gpu_memory_utilization` | \
+{rollout.vllm_gpu_memory_utilization} | `vllm_gpu_memory_utilization` 0.3 | \
+`rollout.gpu_memory_utilization` 0.5 | As verl: the engine sleeps (weights and KV cache freed) \
+through every training step; TRL's keeps its share unless `vllm_enable_sleep_mode` (default \
+false). `cod-fast plan` counts it (docs/gpu.md). |
+| vLLM tensor parallelism | none: an engine a GPU | `vllm_tensor_parallel_size` 1 | \
+`rollout.tensor_model_parallel_size` 2 | Not implemented; docs/gpu.md ("Sizing a run") names \
+the largest model one GPU serves. |
+| gradient checkpointing, `model.gradient_checkpointing` | {model.gradient_checkpointing} | \
+`gradient_checkpointing` true | `model.enable_gradient_checkpointing` true | Off for the tiny CPU \
+model, whose activations are small; the `qwen3-*` presets turn it on (`cod-fast plan` prints \
+the activations with and without). |
+| seed, `train.seed` | {train.seed} | `seed` 42 | `actor.fsdp_config.seed`, `rollout.seed` 42 | \
+Seeds the model's init, the samplers and the packs; docs/benchmarks.md's results are for seeds \
+0, 1 and 2. |
+| gradient clipping, `train.grad_clip` | {train.grad_clip} | `max_grad_norm` 1.0 | \
+`actor.grad_clip` 1.0 | The same. |
+| weight decay, `train.weight_decay` | {train.weight_decay} | `weight_decay` 0.0 | \
+`actor.optim.weight_decay` 0.01 | As TRL. |
+| entropy bonus, `algo.loss.entropy_coef` | {algo.loss.entropy_coef} | `entropy_coef` 0.0 | \
+`actor.entropy_coeff` 0 | The same. |
+| precision, `model.dtype`, `train.master_dtype` | {model.dtype}, {train.master_dtype} | `bf16` \
+true (unless `fp16`) | `actor.fsdp_config.model_dtype` fp32, `dtype` bfloat16 | The same on a \
+GPU: bf16 compute, float32 master weights and gradient reduction; float32 on the CPU. |
+"""
+"""The comparison, as markdown; `{key}` is replaced by that key's default (`_default_cell`)."""
+
+AGG_COUNTERPARTS: dict[str, tuple[str, str]] = {
+    "token-mean": ("`dapo`; `bnpo` is the mean per micro-batch", "`token-mean`"),
+    "seq-mean-token-mean": ("`grpo` (per micro-batch)", "`seq-mean-token-mean`"),
+    "seq-mean-token-sum": ("none; `luspo` with sequence-level ratios", "`seq-mean-token-sum`"),
+    "seq-mean-token-sum-norm": ("`dr_grpo`", "`seq-mean-token-sum-norm`"),
+}
+"""Each `algo.loss.agg` value's TRL `loss_type` and verl `loss_agg_mode`."""
+
+GPU_PRESET_PREFIX = "qwen3-"
+"""The presets a GPU run starts from, shown beside the defaults in the comparison."""
 
 
 def render_markdown() -> str:
@@ -292,7 +414,36 @@ def render_markdown() -> str:
         "",
     ]
     lines += _table(["key", "use instead"], [[_code(o), _code(n)] for o, n in DERIVED.items()])
+    lines += coming_from()
     return "\n".join(lines)
+
+
+def coming_from() -> list[str]:
+    """The section "Coming from TRL / verl": COMING_FROM with its keys' defaults filled in,
+    then each aggregation's counterparts (a KeyError for an `algo.loss.agg` value without)."""
+    text = re.sub(r"\{([a-z_.]+)\}", lambda m: _default_cell(m.group(1)), COMING_FROM)
+    rows = [
+        [_code(agg), *AGG_COUNTERPARTS[agg]]
+        for agg in typing.get_args(type_hints(LossConfig)["agg"])
+    ]
+    lines = [*text.splitlines(), ""]
+    lines += _table(["`algo.loss.agg`", "TRL `loss_type`", "verl `loss_agg_mode`"], rows)
+    note = "cod-fast's means are over responses and the whole optimizer step (docs/concepts.md "
+    note += "section 4); TRL's `cispo`, `sapo` and `vespo` name losses, not aggregations."
+    return [*lines, note, ""]
+
+
+def _default_cell(key: str) -> str:
+    """`key`'s default, then the default preset's and the GPU presets' values where they
+    differ from it."""
+    default = shown_value(flat_values(Config())[key])
+    gpu = [n for n in PRESETS if n.startswith(GPU_PRESET_PREFIX)]
+    shown = []
+    for label, names in {DEFAULT_PRESET: [DEFAULT_PRESET], f"{GPU_PRESET_PREFIX}*": gpu}.items():
+        values = list(dict.fromkeys(shown_value(flat_values(PRESETS[n]())[key]) for n in names))
+        if values != [default]:
+            shown.append(f"`{label}`: " + " / ".join(_code(v) for v in values))
+    return _code(default) + (f" ({'; '.join(shown)})" if shown else "")
 
 
 EXPLAIN_WIDTH = 48

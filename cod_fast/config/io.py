@@ -15,7 +15,8 @@ import operator
 import re
 import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -23,7 +24,7 @@ import yaml
 from cod_fast.common.bounded_read import ReadRefused, read_bounded
 from cod_fast.config import DERIVED, Config, ConfigError, clipped, shown
 from cod_fast.config.base import type_hints
-from cod_fast.config.presets import DEFAULT_PRESET, PRESETS
+from cod_fast.config.presets import DEFAULT_PRESET, GPU_PRESETS, PRESETS
 
 MAX_CONFIG_BYTES = 2**20
 """The largest config file read, and the longest override: the largest real configs are a few
@@ -170,15 +171,20 @@ def _deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
 
 
 def _parent_section(data: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    """The dict that holds the last of ``keys``, checking that every key on the way exists."""
+    """The dict that holds the last of ``keys``, checking that every key on the way exists; the
+    last may be a new key of a mapping field (`rollout.env_options.tries`)."""
     node: Any = data
+    hint: Any = Config
     for depth, key in enumerate(keys):
         here = ".".join(keys[: depth + 1])
         if not isinstance(node, dict):
             raise ConfigError(here, f"{'.'.join(keys[:depth])} holds a value, not a section")
-        if key not in node:  # `node` may be a mapping of the user's: list its keys clipped
+        free = typing.get_origin(hint) is dict  # a mapping of the user's: any key
+        if key not in node and not (free and depth == len(keys) - 1):
+            # `node` may be a mapping of the user's: list its keys clipped
             raise ConfigError(here, f"unknown key; allowed keys: {clipped(', '.join(node))}")
-        parent, node = node, node[key]
+        parent, node = node, node.get(key)
+        hint = type_hints(hint).get(key) if dataclasses.is_dataclass(hint) else None
     return parent
 
 
@@ -207,7 +213,7 @@ def apply_overrides(cfg: Config, overrides: Sequence[str]) -> Config:
         keys = dotted.split(".")
         parent = _parent_section(data, keys)
         value = _parse_yaml(text, dotted)
-        if isinstance(parent[keys[-1]], dict) and isinstance(value, Mapping):
+        if isinstance(parent.get(keys[-1]), dict) and isinstance(value, Mapping):
             value = _deep_merge(parent[keys[-1]], value)
         parent[keys[-1]] = value
     return from_dict(Config, data)
@@ -236,15 +242,88 @@ def _read_yaml_file(path: str) -> dict[str, Any]:
 
 
 def load_config(
-    preset: str | None = None, path: str | None = None, overrides: Sequence[str] = ()
+    preset: str | None = None,
+    path: str | None = None,
+    overrides: Sequence[str] = (),
+    choose_preset: Callable[[str], str] | None = None,
 ) -> Config:
     """Resolve a run's config: a preset, then a YAML file merged over it, then overrides.
 
     The file may name its preset with a top-level ``preset:`` key; the ``preset`` argument wins.
+    With neither, a config that keeps the built-in model, or a file that sets every key (a
+    resolved config written out), starts from DEFAULT_PRESET (the tiny CPU run); one that names
+    a model of its own starts from ``choose_preset(model)`` (a preset sized for it), or is
+    refused in one line naming the preset choice when there is no chooser.
     """
     file_data = _renamed(_read_yaml_file(path), path) if path is not None else {}
     file_preset = file_data.pop("preset", None)
-    name = preset if preset is not None else file_preset or DEFAULT_PRESET
+    name = preset if preset is not None else file_preset
+    if name is not None:
+        return _resolved(name, file_data, path, overrides)
+    cfg = _resolved(DEFAULT_PRESET, file_data, path, overrides)
+    model = cfg.model.name_or_path
+    if model.startswith("builtin:") or _complete(file_data, to_dict(cfg)):
+        return cfg
+    if choose_preset is None:
+        raise ConfigError(
+            "preset",
+            f"the config names its own model {shown(model)} but no preset, and the default "
+            f"({DEFAULT_PRESET}) is a tiny model's CPU run; name the one to start from with "
+            f"--preset or a `preset:` key: {', '.join(GPU_PRESETS)} (sized for GPUs), or "
+            f"{DEFAULT_PRESET}",
+        )
+    return _resolved(choose_preset(model), file_data, path, overrides)
+
+
+def _complete(data: Mapping[str, Any], full: Mapping[str, Any]) -> bool:
+    """Whether a config file's mapping sets every key of the config (`full`): a resolved
+    config written out (`dump_yaml`, `config show`), which no preset underlies."""
+    return all(
+        key in data
+        and (not isinstance(value, dict) or isinstance(data[key], Mapping))
+        and (not isinstance(value, dict) or _complete(data[key], value))
+        for key, value in full.items()
+    )
+
+
+def load_run_config(
+    run_config: str | Path, path: str | None = None, overrides: Sequence[str] = ()
+) -> Config:
+    """A run directory's own config.yaml (every key written by `dump_yaml`; a key added to
+    cod-fast after the run was written takes DEFAULT_PRESET's value, as when it was written),
+    then a YAML file merged over it (its `preset:` key ignored: the run's file holds every key),
+    then overrides: the config a resumed run continues with."""
+    where = str(run_config)
+    data = _renamed(_read_yaml_file(where), where)
+    data.pop("preset", None)
+    if path is not None:
+        mine = _renamed(_read_yaml_file(path), path)
+        mine.pop("preset", None)
+        data, where = _deep_merge(data, mine), f"{where} with {path}"
+    return _resolved(DEFAULT_PRESET, data, where, overrides)
+
+
+def named_keys(path: str | None, overrides: Sequence[str]) -> set[str]:
+    """Every dotted key a config file and overrides set, with the sections above them
+    (`rollout.env` gives `rollout` and `rollout.env`): what the user named."""
+    keys: set[str] = set()
+
+    def walk(prefix: str, node: Mapping[str, Any]) -> None:
+        for key, value in node.items():
+            keys.add(prefix + str(key))
+            if isinstance(value, Mapping):
+                walk(f"{prefix}{key}.", value)
+
+    if path is not None:
+        walk("", _read_yaml_file(path))
+    for override in overrides:
+        parts = override.partition("=")[0].strip().split(".")
+        keys.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return keys
+
+
+def _resolved(name: Any, file_data: dict[str, Any], path: str | None, overrides) -> Config:
+    """Preset `name`, the file's mapping merged over it, then the overrides."""
     if not isinstance(name, str) or name not in PRESETS:
         raise ConfigError(
             "preset", f"unknown preset {shown(name)}; choose one of {', '.join(PRESETS)}"

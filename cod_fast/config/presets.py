@@ -4,7 +4,9 @@
 - `tiny-cpu-tbt`: its task-by-task ablation;
 - `tiny-cpu-mixed`: tiny-cpu on two environments at once;
 - `tiny-cpu-opd`: the student of an on-policy distillation from tiny-cpu teachers;
-- `qwen3-1.7b`: Qwen3-1.7B on GPUs, the paper-scale run.
+- `qwen3-0.6b`, `qwen3-1.7b`, `qwen3-8b`: Qwen3 on a node of GPUs (8 x 80 GB; `cod-fast plan`
+  says each fits), the paper-scale runs; a config that names its own model and no preset starts
+  from the one of these its parameter count is nearest (cod_fast.model.preset_choice).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from cod_fast.config import (
     RuntimeConfig,
     TrainConfig,
 )
+
+GPU_PRESETS = {"qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "qwen3-8b": 8e9}
+"""The presets for a model of the user's own, each with the parameter count it is sized for."""
 
 
 def _tiny_cpu() -> Config:
@@ -105,10 +110,13 @@ def _tiny_cpu_opd() -> Config:
     )
 
 
-def _qwen3_1_7b() -> Config:
+def _qwen3(size: str, token_budget: int) -> Config:
+    # Qwen3 on a node of GPUs: full-size FrozenLake, 16 packs x 8 members of 8 tasks, 2048-token
+    # responses, bf16 compute with gradient checkpointing, vLLM. The token budget is what
+    # `cod-fast plan` fits on 8 x 80 GB beside vLLM's share (docs/gpu.md, "Sizing a run").
     return Config(
         model=ModelConfig(
-            name_or_path="Qwen/Qwen3-1.7B", dtype="bfloat16", gradient_checkpointing=True
+            name_or_path=f"Qwen/Qwen3-{size.upper()}", dtype="bfloat16", gradient_checkpointing=True
         ),
         rollout=RolloutConfig(
             env_size="full",
@@ -122,8 +130,8 @@ def _qwen3_1_7b() -> Config:
         algo=AlgoConfig(
             loss=LossConfig(policy="rec_one_side", eps_low=0.2, eps_high=0.28),
         ),
-        train=TrainConfig(steps=200, lr=1e-6, token_budget=32768),
-        runtime=RuntimeConfig(device="cuda", run_dir="runs/qwen3-1.7b", checkpoint_every=20),
+        train=TrainConfig(steps=200, lr=1e-6, token_budget=token_budget),
+        runtime=RuntimeConfig(device="cuda", run_dir=f"runs/qwen3-{size}", checkpoint_every=20),
     )
 
 
@@ -132,6 +140,8 @@ PRESETS: dict[str, Callable[[], Config]] = {
     "tiny-cpu-tbt": _tiny_cpu_tbt,
     "tiny-cpu-mixed": _tiny_cpu_mixed,
     "tiny-cpu-opd": _tiny_cpu_opd,
-    "qwen3-1.7b": _qwen3_1_7b,
+    "qwen3-0.6b": lambda: _qwen3("0.6b", 32768),
+    "qwen3-1.7b": lambda: _qwen3("1.7b", 32768),
+    "qwen3-8b": lambda: _qwen3("8b", 12288),
 }
 DEFAULT_PRESET = "tiny-cpu"

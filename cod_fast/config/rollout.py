@@ -31,9 +31,10 @@ class EnvEntry(_Config):
     """null: rollout.env_size."""
     setting: Literal["train", "eval"] | None = None
     """null: rollout.env_setting."""
-    options: dict[str, str] = field(default_factory=dict)
-    """Keyword arguments of the environment's constructor (learn2ask: `cases`, a JSONL file of
-    your own cases)."""
+    options: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor, each one scalar (learn2ask: `cases`,
+    a JSONL file of your own cases); converted to the types its parameters are annotated with
+    (`tries: '3'` gives an `int` parameter 3)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,9 +54,11 @@ class RolloutConfig(_Config):
     """Several environments in one run (name, weight, size, setting, options): each step's packs are
     drawn across them by weight, every pack from one environment; metrics, evaluations and plots
     report each. Empty: the one `env`."""
-    env_options: dict[str, str] = field(default_factory=dict)
-    """Keyword arguments of the one `env`'s constructor (learn2ask: `cases`, a JSONL file of
-    your own cases); an environment refuses an option it does not take, in one line."""
+    env_options: dict[str, str | int | float | bool | None] = field(default_factory=dict)
+    """Keyword arguments of the one `env`'s constructor, each one scalar (learn2ask: `cases`, a
+    JSONL file of your own cases); converted to the types its parameters are annotated with
+    (`tries: '3'` gives an `int` parameter 3). An environment refuses an option it does not
+    take, or a value that does not convert, in one line."""
     env_setting: Literal["train", "eval"] = "train"
     """Which split of the environment's hidden rules the packs are drawn from."""
     env_size: Literal["tiny", "full"] = "tiny"

@@ -28,11 +28,18 @@ class TrainConfig(_Config):
 
     steps: int = 30
     """Optimizer steps of RL."""
-    lr: float = 1e-5
-    """AdamW learning rate of RL."""
+    lr: float = 1e-6
+    """AdamW learning rate of RL (TRL's and verl's default; every preset sets its own)."""
     lr_warmup: int = 0
     """RL steps of linear learning-rate warmup (step j of RL uses lr x j / lr_warmup); 0: the
     full lr from the first RL step."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """RL's learning rate after the warmup: lr, or a cosine or linear decay from lr down to
+    lr_min_ratio x lr as the last RL step ends (cod_fast.train.schedule; a function of the step,
+    so a resumed run continues it)."""
+    lr_min_ratio: float = 0.0
+    """Where RL's cosine or linear decay ends, as a share of lr (verl's `min_lr_ratio`); 0 with
+    lr_schedule `constant`."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 1.0
@@ -47,6 +54,13 @@ class TrainConfig(_Config):
     mini_batches: int = 1
     """Optimizer steps per rollout batch: the batch is split into this many mini-batches of
     whole episodes, each with its own step (the ratio to the sampler grows after the first)."""
+    epochs: int = 1
+    """Passes over each RL batch (TRL's `num_iterations`, verl's `ppo_epochs`): its mini-batches
+    are trained this many times in the same order, epochs x mini_batches optimizer steps. Every
+    pass takes the ratio against the policy that sampled: the sampler's log-probs
+    (algo.old_logp=bypass) or the trainer's, computed once before the first pass (`recompute`).
+    The step's record averages the loss and sums the tokens over every pass. The warm start
+    trains each batch once."""
     warm_start_steps: int = 0
     """Supervised steps on scripted demonstrations before RL; 0 skips the warm start."""
     warm_start_lr: float = 1e-3
@@ -116,6 +130,12 @@ class TrainConfig(_Config):
             self._require(bool(self.init_from.strip()), "init_from", "a folder path or null")
         self._at_least(0, "steps", "weight_decay", "warm_start_steps", "warm_start_warmup", "seed")
         self._at_least(0, "lr_warmup")
+        self._require(0 <= self.lr_min_ratio <= 1, "lr_min_ratio", "a share of train.lr in [0, 1]")
+        if self.lr_schedule == "constant":
+            no_floor = "0 with train.lr_schedule='constant' (set lr_schedule=cosine or linear)"
+            self._require(self.lr_min_ratio == 0, "lr_min_ratio", no_floor)
+        self._at_least(1, "epochs")
+        self._at_most(64, "epochs")
         self._above(0, "lr", "grad_clip", "warm_start_lr")
         self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")
         # Over 100x the qwen3-1.7b preset's 32768 tokens and 16 packs per step.
@@ -168,11 +188,31 @@ class RuntimeConfig(_Config):
     log_every: int = 1
     """Steps between log lines."""
     tensorboard: bool = False
-    """Also write TensorBoard event files."""
+    """The older spelling of listing `tensorboard` in report_to (either turns it on)."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = field(
+        default_factory=list
+    )
+    """Experiment trackers that get every step's numbers and each evaluation's CoD gain
+    besides metrics.jsonl (TRL's `report_to`, verl's `trainer.logger`), from the main rank only,
+    each under the run directory's name (cod_fast.run.trackers): `tensorboard` writes event
+    files to RUN_DIR/tb; `wandb` a Weights & Biases run (its local files in RUN_DIR/wandb unless
+    WANDB_DIR says otherwise); `mlflow` an MLflow run in the store MLFLOW_TRACKING_URI names;
+    `trackio` a trackio run in project `cod-fast` (stored in TRACKIO_DIR). Each needs its extra:
+    pip install 'cod-fast[wandb]' (or tensorboard, mlflow, trackio). Where and how they log in
+    (keys, servers, offline modes: WANDB_API_KEY, WANDB_MODE=offline, MLFLOW_TRACKING_URI, HF_TOKEN)
+    comes from each library's own environment variables; cod-fast never reads or stores a
+    credential. A resumed run continues the same tracker runs (their ids in
+    RUN_DIR/trackers.json)."""
     keep_freed_memory: bool = True
     """On the CPU, keep freed host memory in the process instead of returning it to the OS
     after every step (glibc malloc settings, cod_fast.distributed.host_memory): repeated allocations stop
     taking page faults. Linux with glibc only."""
+    threads: int | None = None
+    """Torch's CPU threads in each process of the run (trainers and rollout workers); null:
+    torch's default, one per core the process may use (under torchrun with several processes a
+    node: one, as torchrun sets OMP_NUM_THREADS=1 when it is unset). Idle threads sleep rather
+    than spin (cod-fast sets OMP_WAIT_POLICY=PASSIVE unless you set it), so runs that share
+    cores do not starve each other (cod_fast.distributed.threads)."""
     hsdp_replicate: int = 1
     """Replica groups of hybrid-sharded data parallelism (1 = plain FSDP)."""
     dist_timeout_s: float = 1800.0
@@ -187,6 +227,13 @@ class RuntimeConfig(_Config):
     """Seconds the trainer waits for a rollout worker's next batch before it checkpoints and
     stops with an error naming the worker."""
 
+    @property
+    def trackers(self) -> list[str]:
+        """The trackers the run reports to: report_to, and `tensorboard` where the older
+        `tensorboard: true` asks for it."""
+        older = ["tensorboard"] if self.tensorboard and "tensorboard" not in self.report_to else []
+        return [*older, *self.report_to]
+
     def __post_init__(self) -> None:
         super().__post_init__()
         # An empty run_dir is the current folder: checkpoints and logs would land among the
@@ -196,6 +243,16 @@ class RuntimeConfig(_Config):
         self._at_least(1, "log_every", "hsdp_replicate")
         self._at_least(0, "rollout_ranks")
         self._above(0, "dist_timeout_s", "rollout_timeout_s")
+        self._require(
+            len(set(self.report_to)) == len(self.report_to),
+            "report_to",
+            "each tracker at most once",
+        )
+        self._require(
+            self.threads is None or self.threads >= 1,
+            "threads",
+            "an integer >= 1, or null for torch's default",
+        )
 
 
 @dataclass(kw_only=True)

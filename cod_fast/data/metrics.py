@@ -127,57 +127,6 @@ def plot_positions(
     return _save(fig, path)
 
 
-CURVES = (
-    ("reward_mean", "mean reward"),
-    ("cod_gain", "CoD gain (last position - first)"),
-    ("loss", "loss"),
-    ("kl", "KL to the reference"),
-    ("entropy", "entropy (nats per token)"),
-    ("tokens_per_s_per_device", "tokens/s per device"),
-)
-"""The metrics.jsonl fields `plot_curves` draws against step, with their panel titles."""
-EVAL_CURVES = {
-    "reward_mean": lambda e: sum(e["mean_reward"]) / len(e["mean_reward"]),
-    "cod_gain": lambda e: e["cod_gain"],
-}
-"""Panels that also show the held-out evaluations (eval.jsonl rows), and their value there."""
-
-
-def plot_curves(steps: Sequence[dict], evals: Sequence[dict], path: str | Path) -> Path:
-    """A PNG of a run's training curves against step, one panel per field of `CURVES`
-    (metrics.jsonl rows; a field a step did not log is left out), the held-out evaluations as
-    points where `EVAL_CURVES` says. The warm start is shaded: its rewards are the scripted
-    demonstrations', its loss a supervised one, neither the policy's RL numbers."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(3, 2, figsize=(10, 9), dpi=100, sharex=True)
-    warm = [r["step"] for r in steps if r.get("phase") == "warm_start"]
-    for ax, (key, title) in zip(axes.flat, CURVES, strict=True):
-        points = [(r["step"], r[key]) for r in steps if r.get(key) is not None]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker=".", label="training batches")
-        for env in sorted({e.get("env") or "" for e in evals}) if key in EVAL_CURVES else []:
-            mine = [e for e in evals if (e.get("env") or "") == env and e["mean_reward"]]
-            ax.plot(
-                [e["step"] for e in mine],
-                [EVAL_CURVES[key](e) for e in mine],
-                marker="o",
-                linestyle="--",
-                label=f"held-out eval{f' ({env})' if env else ''}",
-            )
-        if warm:
-            ax.axvspan(0.5, max(warm) + 0.5, color="grey", alpha=0.15, label="warm start")
-        if not ax.lines:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
-        ax.set_title(title, fontsize=10)
-        ax.grid(alpha=0.3)
-        if key in EVAL_CURVES and ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    for ax in axes[-1]:
-        ax.set_xlabel("step (warm start, then RL)")
-    fig.tight_layout()
-    return _save(fig, path)
-
-
 def _pyplot():
     import matplotlib
 

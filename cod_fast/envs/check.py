@@ -10,7 +10,12 @@
   STEP_SECONDS without an exception, and an action over MAX_ACTION_CHARS ends the episode as
   malformed;
 - solver, explorer (each where the environment has one): they play packs to the end; the
-  solver, which reads the hidden rule, scores near the top of the reward range.
+  solver, which reads the hidden rule, scores near the top of the reward range; the explorer,
+  its hints carried from task to task, scores no worse late in a pack than on its first task
+  (the CoD premise: hints about the pack's hidden rule help the tasks after; a rule drawn per
+  task makes them mislead);
+- hints (where the environment declares hint entries): entries come back from the text
+  `render_hints` writes for them, as the driver reads hints (`hint_entries`).
 
 Every step of every check must keep the reward finite and inside the environment's declared
 `reward_range`. The tests of the built-in environments run these same checks
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,6 +55,13 @@ SOLVER_SHARE = 0.75
 solvers score 0.85 to 1.0 of it)."""
 TASKS = 4
 """Tasks per pack that the solver and the explorer play."""
+LATE = TASKS // 2
+"""The explorer's rewards at positions LATE..TASKS-1 are the late ones, held against position 0."""
+STANDARD_ERRORS = 2.0
+"""Standard errors of the per-pack difference the explorer's late mean may fall below its first."""
+SLACK = 0.05
+"""And this share of the reward range's width on top (an explorer that scores the same in every
+pack has a standard error of 0)."""
 
 NUMBERS = [
     "1e308",
@@ -211,17 +224,20 @@ def check_settings(cls: type[Environment], size: Size) -> str:
 
 
 class _Recorder(Agent):
-    """An agent's actions, recorded as it plays."""
+    """An agent's (observation, action) steps, recorded as it plays."""
 
     def __init__(self, inner: Agent):
-        self.inner, self.actions = inner, []
+        self.inner, self.steps = inner, []
 
     def start(self, task: Task, hints: str | None) -> None:
         self.inner.start(task, hints)
 
     def act(self, observation: str) -> str:
-        self.actions.append(self.inner.act(observation))
-        return self.actions[-1]
+        self.steps.append((observation, self.inner.act(observation)))
+        return self.steps[-1][1]
+
+    def write_hints(self, task: Task, old_hints: str | None) -> str | None:
+        return self.inner.write_hints(task, old_hints)
 
 
 def _scripts(env: Environment, pack_seed: int, task_index: int) -> list[list[str]]:
@@ -231,7 +247,7 @@ def _scripts(env: Environment, pack_seed: int, task_index: int) -> list[list[str
     for make in [env.solver] * env.has_solver() + [env.explorer] * env.has_explorer():
         recorder = _Recorder(make())
         play_task(env.task(pack_seed, task_index), recorder, None)
-        scripts.append(recorder.actions)
+        scripts.append([action for _, action in recorder.steps])
     return scripts
 
 
@@ -315,15 +331,102 @@ def check_solver(cls: type[Environment], size: Size, packs: int) -> str:
 
 
 def check_explorer(cls: type[Environment], size: Size, packs: int) -> str:
-    """The explorer through `packs` packs of each setting, hints carried between tasks; says
-    its mean reward at the first and the last position (the CoD gain it shows)."""
+    """The explorer through `packs` packs of each setting, hints carried between tasks: its mean
+    reward at the late positions is at least its first position's, less the tolerance
+    (STANDARD_ERRORS, SLACK). Says both means (the CoD gain it shows)."""
     shown_means = []
     for setting in ("train", "eval"):
         env = cls(setting=setting, size=size)
-        results = _play(env, env.explorer, packs)
-        first, last = (sum(r.rewards[k] for r in results) / packs for k in (0, TASKS - 1))
-        shown_means.append(f"{first:.2f} -> {last:.2f} ({setting})")
-    return f"mean reward at position 0 -> {TASKS - 1}: " + ", ".join(shown_means)
+        first, late, tolerance = _first_and_late(_play(env, env.explorer, packs), cls.reward_range)
+        if late < first - tolerance:
+            raise ContractError(
+                f"{setting}: the explorer's mean reward falls from {first:.2f} at position 0 to "
+                f"{late:.2f} at positions {LATE}-{TASKS - 1} over {packs} packs, hints carried "
+                f"(tolerance {tolerance:.2f}): the hidden rule changes within a pack: draw it "
+                f"once per pack seed, in {cls.task.__qualname__}() from pack_seed alone (never "
+                "from task_index), so that hints about it help the later tasks"
+            )
+        shown_means.append(f"{first:.2f} -> {late:.2f} ({setting})")
+    return f"mean reward at position 0 -> {LATE}-{TASKS - 1}: " + ", ".join(shown_means)
+
+
+def _first_and_late(
+    results: list[PackResult], reward_range: tuple[float, float]
+) -> tuple[float, float, float]:
+    """The mean reward at position 0, the mean at the late positions, and how far the late one
+    may fall below the first: STANDARD_ERRORS standard errors of the per-pack difference (late
+    mean less first) plus SLACK of the range's width."""
+    firsts = [result.rewards[0] for result in results]
+    lates = [sum(result.rewards[LATE:]) / (TASKS - LATE) for result in results]
+    differences = [late - first for first, late in zip(firsts, lates, strict=True)]
+    error = statistics.stdev(differences) / math.sqrt(len(results)) if len(results) > 1 else 0.0
+    tolerance = STANDARD_ERRORS * error + SLACK * (reward_range[1] - reward_range[0])
+    return statistics.fmean(firsts), statistics.fmean(lates), tolerance
+
+
+def check_hints(cls: type[Environment], size: Size, packs: int) -> str:
+    """Hint entries read back from the text that states them, in each setting and each of
+    `packs` packs: the pack's true entries (`hint_truth`), none, each alone, all but each, and
+    what the explorer's episodes show (`knowable_entries` folded over the pack: the driver's
+    `explorer` hint source) go through `render_hints`, then as the driver reads a hint block
+    (its text stripped, cod_fast.rollout.hints.parse_hints) through `hint_entries`, and come
+    back the same."""
+    read = 0
+    for setting in ("train", "eval"):
+        env = cls(setting=setting, size=size)
+        for pack_seed in pack_seeds("check", packs):
+            where = f"{setting}, pack seed {pack_seed}"
+            truth = env.hint_truth(pack_seed)
+            if truth is None:  # no entries for this pack (learn2ask with user cases)
+                continue
+            texts = isinstance(truth, dict) and all(
+                isinstance(x, str) for x in (*truth, *truth.values())
+            )
+            if not texts:
+                raise ContractError(f"{where}: hint_truth gave {shown(truth)}; expected str -> str")
+            for entries in [*_subsets(truth), *_knowable(env, pack_seed)]:
+                _round_trip(env, entries, where)
+                read += 1
+    if not read:
+        return "hint_truth gave None for every pack: nothing to read back"
+    return f"{read} sets of entries read back from render_hints"
+
+
+def _subsets(truth: dict[str, str]) -> list[dict[str, str]]:
+    """All of `truth`, none of it, each entry alone and all but each."""
+    alone = [{name: value} for name, value in truth.items()]
+    but = [{n: v for n, v in truth.items() if n != name} for name in truth]
+    return [dict(truth), {}, *alone, *but]
+
+
+def _knowable(env: Environment, pack_seed: int) -> list[dict[str, str]]:
+    """The entries the explorer's episodes of a pack show, after each task (`knowable_entries`
+    folded as the driver folds it); none without an explorer."""
+    if not env.has_explorer():
+        return []
+    agent, known, hints, shown_after = _Recorder(env.explorer()), {}, None, []
+    for k in range(TASKS):
+        task, agent.steps = env.task(pack_seed, k), []
+        play_task(task, agent, hints)
+        known = env.knowable_entries(known, task, agent.steps, task.feedback())
+        hints = agent.write_hints(task, hints)
+        shown_after.append(known)
+    return shown_after
+
+
+def _round_trip(env: Environment, entries: dict[str, str], where: str) -> None:
+    text = env.render_hints(dict(entries))
+    if not isinstance(text, str):
+        raise ContractError(f"{where}: render_hints returned {shown(text)}; expected text")
+    back = env.hint_entries(text.strip())
+    if back != entries:
+        lost = sorted(name for name in entries if back.get(name) != entries[name])
+        added = sorted(set(back) - set(entries))
+        raise ContractError(
+            f"{where}: render_hints({shown(entries)}) wrote {shown(text)}, which hint_entries "
+            f"reads as {shown(back)} (lost: {shown(lost)}, added: {shown(added)}): write every "
+            "entry, and no other, in the form hint_entries reads"
+        )
 
 
 def run_checks(name: str, size: Size = "full", packs: int = 8) -> list[CheckResult]:
@@ -347,6 +450,12 @@ def run_checks(name: str, size: Size = "full", packs: int = 8) -> list[CheckResu
             (lambda: check_explorer(cls, size, packs))
             if cls.has_explorer()
             else "no explorer() (needed for a warm start and the bpe tokenizer)",
+        ),
+        (
+            "hints",
+            (lambda: check_hints(cls, size, packs))
+            if cls.has_hint_entries()
+            else "no hint entries (optional: hint-quality diagnostics, docs/environments.md)",
         ),
     ]
     results: list[CheckResult] = []

@@ -14,6 +14,10 @@ an entry point is imported only when its environment is made. A config read from
 someone else wrote (a run directory, an exported model) therefore runs no code by being read,
 and the commands that would make its environment refuse a path it names unless the user names
 that path too (cod_fast.eval.matrix `load_player`).
+
+`make_env` passes a config's environment options (one scalar each) to the constructor as its
+parameters are annotated (`option_values`): `tries: '3'` and `--option tries=3` give an `int`
+parameter 3.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from cod_fast.common.errors import CodFastError
 from cod_fast.config import clipped, shown
@@ -36,6 +43,9 @@ if TYPE_CHECKING:
     from cod_fast.config import EnvEntry
 
 ENTRY_POINT_GROUP = "cod_fast.environments"
+
+OptionValue = str | int | float | bool | None
+"""What a config gives an environment option (`rollout.env_options`): one scalar."""
 
 ENVIRONMENTS = {
     "frozenlake": "cod_fast.envs.frozenlake:FrozenLakeEnv",
@@ -113,22 +123,16 @@ def make_env(
     name: str,
     setting: Setting = "train",
     size: Size = "full",
-    options: dict[str, str] | None = None,
+    options: Mapping[str, OptionValue] | None = None,
 ) -> Environment:
     """The environment `name` in a train or eval setting, at full or tiny size, with `options`
-    as keyword arguments of its constructor (an option it does not take is a one-line
-    ValueError). It answers to `name` (its `name` attribute): a run names a pack's environment,
-    its metrics and its records by the name in its config, and a path or a registered name may
-    differ from the class's own."""
+    as keyword arguments of its constructor, each converted to its parameter's annotation
+    (`option_values`; an option it does not take, or a value that does not convert, is a
+    one-line ValueError). It answers to `name` (its `name` attribute): a run names a pack's
+    environment, its metrics and its records by the name in its config, and a path or a
+    registered name may differ from the class's own."""
     cls = env_class(name)
-    options = options or {}
-    taken = [p for p in inspect.signature(cls).parameters if p not in ("setting", "size")]
-    if unknown := sorted(set(options) - set(taken)):
-        raise ValueError(
-            f"environment {clipped(name)} takes no option {clipped(', '.join(map(repr, unknown)))};"
-            f" it takes {', '.join(map(repr, taken)) or 'none'}"
-        )
-    env = cls(setting=setting, size=size, **options)
+    env = cls(setting=setting, size=size, **option_values(name, cls, options or {}))
     if getattr(env, "name", None) != name:
         env.name = name  # type: ignore[misc]  # this instance's, the class keeps its own
     return env
@@ -137,6 +141,119 @@ def make_env(
 def make_envs(entries: Sequence[EnvEntry]) -> list[Environment]:
     """The environments of a run (`rollout.environments`: sizes and settings resolved)."""
     return [make_env(e.name, e.setting, e.size, e.options) for e in entries]  # type: ignore[arg-type]
+
+
+def option_values(
+    name: str, cls: type[Environment], options: Mapping[str, OptionValue]
+) -> dict[str, object]:
+    """`options` as the constructor of `cls` (environment `name`) takes them: each value
+    converted to its parameter's annotation, since a config's value may be text where the
+    parameter wants a number (`--option tries=3`, a quoted YAML value): an `int` parameter
+    given '3' gets 3, a `bool` one 'true' or 'false' (any case) True or False, a `float` one a
+    finite number, a `str` one text (a number as its text), `X | None` None or 'null', a
+    Literal one of its values, a `Path` one text; an unannotated parameter, or one annotated
+    with a type this does not convert to, gets the value as given. An option the constructor
+    does not take, or a value that does not convert, is one line naming both."""
+    parameters = inspect.signature(cls).parameters
+    free = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    taken = [
+        p.name
+        for p in parameters.values()
+        if p.name not in ("setting", "size") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    if not free and (unknown := sorted(set(options) - set(taken))):
+        raise ValueError(
+            f"environment {clipped(name)} takes no option {clipped(', '.join(map(repr, unknown)))};"
+            f" it takes {', '.join(map(repr, taken)) or 'none'}"
+        )
+    types_of = _parameter_types(cls)
+    values = {}
+    for option, value in options.items():
+        hint = types_of.get(option, object)
+        values[option] = _converted(value, hint)
+        if values[option] is _NO_VALUE:
+            raise ValueError(
+                f"environment {clipped(name)}: option {clipped(option)!r} takes "
+                f"{inspect.formatannotation(hint)}; got {shown(value)} "
+                f"({type(value).__name__}); give a value of that type"
+            )
+    return values
+
+
+def _parameter_types(cls: type[Environment]) -> dict[str, object]:
+    """The resolved annotations of the parameters of `cls.__init__` (text under `from
+    __future__ import annotations`). Where one does not resolve (a name imported only for type
+    checkers) the others still do, and that parameter counts as unannotated."""
+    init = cls.__init__
+    try:
+        return typing.get_type_hints(init)
+    except Exception:  # a plugin's annotation may name anything: resolve the others one by one
+        namespace = getattr(init, "__globals__", {})
+        resolved = {}
+        for parameter, annotation in getattr(init, "__annotations__", {}).items():
+            holder = types.SimpleNamespace(__annotations__={parameter: annotation})
+            try:
+                resolved.update(typing.get_type_hints(holder, globalns=namespace))
+            except Exception:  # this one stays unannotated
+                continue
+        return resolved
+
+
+_NO_VALUE = object()
+"""What `_converted` gives for a value that does not convert."""
+_BOOLS = {"true": True, "false": False}
+
+
+def _converted(value: object, hint: object) -> object:
+    """`value` as a parameter annotated `hint` takes it, or _NO_VALUE (the rules are
+    `option_values`'s); a union tries first the members `value` already is, then the others."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        members = typing.get_args(hint)
+        exact = [m for m in members if isinstance(m, type) and type(value) is m]
+        for member in (*exact, *members):
+            if (converted := _converted(value, member)) is not _NO_VALUE:
+                return converted
+        return _NO_VALUE
+    if origin is Literal:
+        for choice in typing.get_args(hint):
+            converted = _converted(value, type(choice))
+            if type(converted) is type(choice) and converted == choice:
+                return choice
+        return _NO_VALUE
+    if hint is type(None) or hint is None:
+        null = value is None or (isinstance(value, str) and value.strip().lower() == "null")
+        return None if null else _NO_VALUE
+    if hint in (int, float, bool, str):
+        return _scalar(value, hint)  # type: ignore[arg-type]
+    if origin is None and isinstance(hint, type) and hint is not object:
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, str) and issubclass(hint, PurePath):
+            return hint(value)
+        return _NO_VALUE
+    return value  # object, Any, a generic this does not read: as given
+
+
+def _scalar(value: object, hint: type) -> object:
+    """`value` as an int, float, bool or str parameter takes it, or _NO_VALUE."""
+    if value is None or (isinstance(value, bool) and hint is not bool):
+        return _NO_VALUE
+    if hint is str:
+        return value if isinstance(value, str) else str(value)
+    if hint is bool:
+        return (
+            value if isinstance(value, bool) else _BOOLS.get(str(value).strip().lower(), _NO_VALUE)
+        )
+    try:  # int('9' * 5000) is past Python's digit limit, float(10**400) past a float's range
+        number = hint(value.strip()) if isinstance(value, str) else value
+        if hint is float and isinstance(number, (int, float)):
+            number = float(number)
+    except (ValueError, OverflowError):
+        return _NO_VALUE
+    if type(number) is not hint:
+        return _NO_VALUE
+    return number if hint is int or math.isfinite(number) else _NO_VALUE  # no inf or nan
 
 
 def known_environments() -> list[str]:

@@ -46,7 +46,7 @@ class EvalPlan:
     size: str = "full"
     packs: int = 32
     tasks: int = 4
-    options: dict[str, dict[str, str]] = field(default_factory=dict)
+    options: dict[str, dict[str, str | int | float | bool | None]] = field(default_factory=dict)
     """Constructor options by environment name (a run's `rollout.env_options`); an environment
     not named here is made without any."""
 

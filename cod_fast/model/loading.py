@@ -204,6 +204,19 @@ def model_path_problem(name: str) -> str | None:
     return None
 
 
+CONFIG_FIX = "repair config.json (the model's released one) or use another model folder"
+
+
+def size_problem(name: str, sizes) -> str | None:
+    """Why the language-model config `sizes` of model `name` has a size that is no positive
+    integer (one line), or None."""
+    for field in SIZE_FIELDS:
+        value = getattr(sizes, field, None)
+        if value is not None and not (type(value) is int and value >= 1):
+            return f"{name}: config.json has {field}={value!r}; expected a positive integer: {CONFIG_FIX}"
+    return None
+
+
 def load_model_files(name: str, place: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any]:
     """(config, tokenizer) of the causal LM `name` (a folder or hub id), checked against each
     other and against the memory where its weights in `dtype` would be put (`place`), before
@@ -224,14 +237,10 @@ def load_model_files(name: str, place: torch.device | str, dtype: torch.dtype) -
             "repair it (the model's released config.json) or use another model folder"
         ) from None
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=False)
-    fix = "repair config.json (the model's released one) or use another model folder"
+    fix = CONFIG_FIX
     sizes = config.get_text_config()  # the language model's part of a multimodal config
-    for field in SIZE_FIELDS:
-        value = getattr(sizes, field, None)
-        if value is not None and not (type(value) is int and value >= 1):
-            raise ModelFolderError(
-                f"{name}: config.json has {field}={value!r}; expected a positive integer: {fix}"
-            )
+    if problem := size_problem(name, sizes):
+        raise ModelFolderError(problem)
     vocab = getattr(sizes, "vocab_size", None)
     if vocab is not None and vocab < len(tokenizer):  # larger is padding, as many models have
         raise ModelFolderError(

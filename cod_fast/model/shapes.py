@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 
 from cod_fast.config import ModelConfig
 from cod_fast.model.loading import BUILTIN_TINY, ModelFolderError, tiny_qwen3_config
@@ -89,7 +90,7 @@ def transformers_config(model: ModelConfig, vocab_size: int | None = None):
     if (Path(name) / "config.json").is_file():
         try:
             return AutoConfig.from_pretrained(name, trust_remote_code=False).get_text_config()
-        except (ValueError, OSError, RecursionError) as e:
+        except (ValueError, StrictDataclassError, OSError, RecursionError) as e:
             raise ModelFolderError(
                 f"{name}: its config.json does not load ({' '.join(str(e).split())[:200]}); "
                 "repair it (the model's released config.json) or use another model folder"

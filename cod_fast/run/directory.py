@@ -33,7 +33,7 @@ from typing import Any
 from cod_fast.common.errors import CodFastError
 from cod_fast.common.safe_write import LinkError, check_entries, open_fd
 from cod_fast.config import DERIVED, Config, shown
-from cod_fast.config.io import load_config
+from cod_fast.config.io import load_run_config
 from cod_fast.run.checkpoint import LATEST, Checkpoint, complete_checkpoints, latest_checkpoint
 from cod_fast.run.log import read_log
 
@@ -140,8 +140,10 @@ def config_changes(saved: dict[str, Any], cfg: Config) -> list[str]:
     """`field: old -> new` for every field outside RESUMABLE where `cfg` differs from the
     config a checkpoint was written with (`saved`, its flat_config)."""
     # Checkpoints written before a rollout key replaced a loss key (DERIVED) have only the
-    # loss's; its value is the one the rollout key now holds.
-    old = {**{n: saved[o] for o, n in DERIVED.items() if o in saved}, **saved}
+    # loss's; its value is the one the rollout key now holds. A key added since the checkpoint
+    # was written has its default there: a new key's default keeps the behaviour before it.
+    old = {**flat_config(Config()), **{n: saved[o] for o, n in DERIVED.items() if o in saved}}
+    old.update(saved)
     new = flat_config(cfg)
     changed = []
     for key in sorted(old.keys() | new.keys()):
@@ -203,7 +205,7 @@ def check_resume(cfg: Config, resume: bool) -> Checkpoint | None:
                 "start it again in a new runtime.run_dir (or delete this one)"
             )
         return None
-    saved = ckpt.extra.get("config") or flat_config(load_config(path=str(run / "config.yaml")))
+    saved = ckpt.extra.get("config") or flat_config(load_run_config(run / "config.yaml"))
     if changes := config_changes(saved, cfg):
         raise RunDirError(
             f"--resume with settings the checkpoint of step {ckpt.step} was not trained with: "

@@ -33,7 +33,7 @@ from cod_fast.common.errors import CodFastError
 from cod_fast.common.safe_write import LinkError, fresh_folder, remove
 from cod_fast.common.values import write_cause
 from cod_fast.config import Config, ConfigError, shown
-from cod_fast.config.io import dump_yaml, load_config
+from cod_fast.config.io import dump_yaml, load_run_config
 from cod_fast.distributed.context import DistContext
 from cod_fast.distributed.fsdp import load_model_state
 from cod_fast.model.loading import BUILTIN_TINY, load_policy, resolve_dtype
@@ -63,7 +63,7 @@ class ExportError(OSError, CodFastError):
 def read_run_config(folder: str | Path) -> Config | None:
     """The config of the run a model folder was exported from, or None for any other model."""
     path = Path(folder) / RUN_CONFIG
-    return load_config(path=str(path)) if path.exists() else None
+    return load_run_config(path) if path.exists() else None
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Checkpoint:
@@ -184,7 +184,7 @@ def export_model(
     config = run_dir / "config.yaml"
     if not config.exists():
         raise FileNotFoundError(f"{run_dir} has no config.yaml; is it a cod-fast run directory?")
-    cfg = load_config(path=str(config))
+    cfg = load_run_config(config)
     ckpt = _checkpoint(run_dir, step)
     _check_model_settings(config, cfg, ckpt)
     template = _run_template(run_dir, cfg)

@@ -8,9 +8,10 @@ Layout of `runtime.run_dir`:
 - `eval.jsonl`: one object per evaluation (label, step, per-position rewards on held-out packs);
 - `rewards.png`: reward against pack position (recent training steps and every evaluation),
   rewritten atomically as the run goes (after each evaluation, at most every 30 s otherwise);
-- `curves.png`: reward, CoD gain, loss, KL, entropy and tokens/s against step (the warm start
-  shaded), redrawn with `rewards.png`;
-- `tb/`: TensorBoard event files when `runtime.tensorboard` is on;
+- `curves.png`: reward, CoD gain, loss, KL, entropy and tokens/s, the warm start's and RL's on
+  axes of their own steps, evaluations as points, redrawn with `rewards.png`;
+- `tb/`, `wandb/`, `trackers.json`: what the trackers of `runtime.report_to` keep in the run
+  directory (cod_fast.run.trackers), which get every step's numbers and each evaluation too;
 - `chat_template.jinja`: the text of `model.chat_template`, when the config names one (what
   `cod-fast export` puts in the exported tokenizer);
 - `checkpoints/`, `tokenizer/`: see cod_fast.run.checkpoint and cod_fast.train.trainer.
@@ -27,16 +28,18 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from cod_fast.common.bounded_read import ReadRefused, read_bounded
 from cod_fast.common.errors import CodFastError
-from cod_fast.common.safe_write import make_folder, open_append, write_atomic
+from cod_fast.common.safe_write import open_append, write_atomic
 from cod_fast.common.values import is_count
-from cod_fast.config import ConfigError, shown
-from cod_fast.data.metrics import CURVES, PositionSummary, plot_curves, plot_positions
+from cod_fast.config import Config, shown
+from cod_fast.data.curves import CURVES, plot_curves
+from cod_fast.data.metrics import PositionSummary, plot_positions
+from cod_fast.run.trackers import Trackers, scalars
 
 TEMPLATE = "chat_template.jinja"
 """The text of the run's `model.chat_template`, when it names one."""
@@ -195,34 +198,25 @@ def _write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     write_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
-def summary_writer_class() -> type:
-    """torch's TensorBoard SummaryWriter, for `runtime.tensorboard`; without the tensorboard
-    package (an optional extra) a ConfigError naming both fixes, not an ImportError from inside
-    torch."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise ConfigError(
-            "runtime.tensorboard",
-            f"true needs the tensorboard package ({e}); pip install tensorboard, "
-            "or set runtime.tensorboard=false",
-        ) from None
-    return SummaryWriter
-
-
 class RunLog:
-    def __init__(self, run_dir: str | Path, *, enabled: bool = True, tensorboard: bool = False):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        enabled: bool = True,
+        trackers: Sequence[str] = (),
+        config: Config | None = None,
+    ):
+        """`trackers`: names of runtime.report_to (their libraries are imported here, a missing
+        one a ConfigError); `config`: the run's, their runs' config."""
         self.dir = Path(run_dir)
         self.enabled = enabled
         self.metrics_path = self.dir / "metrics.jsonl"
         self.eval_path = self.dir / "eval.jsonl"
-        self.writer = None
+        self.trackers = Trackers(trackers if enabled else (), config)
         self.plotted_at = -math.inf
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
-                tb = make_folder(self.dir, self.dir / "tb")
-                self.writer = summary_writer_class()(str(tb))
 
     def write_config(self, text: str, template: str | None = None) -> None:
         """Write the resolved config and, when `model.chat_template` gave one, the template's
@@ -236,7 +230,8 @@ class RunLog:
     def truncate(self, step: int) -> None:
         """Forget what a run resumed from checkpoint `step` redoes: the metrics of later steps
         and the evaluations from `step` on (an evaluation always follows that step's
-        checkpoint). -1 forgets everything."""
+        checkpoint). -1 forgets everything. Then the trackers start: new tracker runs (-1), or
+        the ones the resumed run began."""
         if not self.enabled:
             return
         logs = (
@@ -248,6 +243,7 @@ class RunLog:
             kept = [r for r in records if r["step"] <= keep]
             if torn or len(kept) != len(records):
                 _write_jsonl(path, kept)
+        self.trackers.start(self.dir, None if step < 0 else step)
 
     def step(self, record: dict[str, Any]) -> None:
         """Append one step's metrics (flat JSON: numbers, lists of numbers, strings)."""
@@ -255,13 +251,8 @@ class RunLog:
             return
         with open_append(self.metrics_path) as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for name, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.writer.add_scalar(name, value, record["step"])
-                elif isinstance(value, list) and name.endswith("reward_by_position"):
-                    for k, v in enumerate(value):
-                        self.writer.add_scalar(f"{name}/{k}", v, record["step"])
+        self.trackers.start(self.dir, None)  # a log that was not truncated: a new run
+        self.trackers.log(scalars(record), record["step"])
         if time.monotonic() - self.plotted_at >= PLOT_EVERY_S:
             self.plot()
 
@@ -274,10 +265,12 @@ class RunLog:
         record = {"label": label, "step": step, "env": env, **summary.to_dict()}
         with open_append(self.eval_path) as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            tag = f"eval/{env}" if env else "eval"
-            self.writer.add_scalar(f"{tag}/cod_gain", summary.cod_gain, step)
-            self.writer.add_scalar(f"{tag}/last_position", summary.mean_reward[-1], step)
+        tag = f"eval/{env}" if env else "eval"
+        self.trackers.start(self.dir, None)
+        self.trackers.log(
+            {f"{tag}/cod_gain": summary.cod_gain, f"{tag}/last_position": summary.mean_reward[-1]},
+            step,
+        )
         self.plot()
 
     def metrics(self) -> list[dict[str, Any]]:
@@ -337,5 +330,4 @@ class RunLog:
     def close(self) -> None:
         if self.enabled:
             self.plot()
-        if self.writer is not None:
-            self.writer.close()
+        self.trackers.close()

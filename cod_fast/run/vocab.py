@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from cod_fast.common.safe_write import LinkError
 from cod_fast.common.values import write_cause
-from cod_fast.config import Config
+from cod_fast.config import Config, ConfigError, clipped
 from cod_fast.envs.base import Environment
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.model.loading import BUILTIN_TINY
@@ -64,14 +64,29 @@ def run_tokenizer(
     if saved.exists():
         return load_saved_tokenizer(saved)
     if cfg.model.tokenizer_path is not None:
-        tokenizer = load_saved_tokenizer(Path(cfg.model.tokenizer_path))
+        tokenizer = _given_tokenizer(Path(cfg.model.tokenizer_path), "model.tokenizer_path")
     elif cfg.train.init_from is not None:  # the vocabulary the starting weights were trained with
-        tokenizer = load_saved_tokenizer(tokenizer_folder(cfg.train.init_from))
+        tokenizer = _given_tokenizer(tokenizer_folder(cfg.train.init_from), "train.init_from")
     else:
         tokenizer = environment_tokenizer(env, settings, cfg.model.vocab_size, cfg.train.seed)
     if is_main:  # whole or absent: the other ranks load it as soon as the folder exists
         _save_tokenizer(tokenizer, saved)
     return tokenizer
+
+
+def _given_tokenizer(folder: Path, key: str) -> PreTrainedTokenizerBase:
+    """The saved tokenizer in `folder`, which the config's `key` names; a ConfigError of `key`
+    naming that folder when it holds none."""
+    try:
+        return load_saved_tokenizer(folder)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            key,
+            f"{clipped(str(folder))} holds no tokenizer the run can use ({clipped(str(e))}); "
+            "give a run directory or a model folder `cod-fast export` wrote (it holds the "
+            "tokenizer the weights were trained with), or name that tokenizer's folder with "
+            "model.tokenizer_path",
+        ) from None
 
 
 def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, saved: Path) -> None:

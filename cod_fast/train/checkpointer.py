@@ -17,6 +17,7 @@ written and read by the main rank alone, and what it read reaches the others by 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,8 @@ class Checkpointer:
     run goes on, or for a new run loads `train.init_from`'s weights and clears the log; a
     checkpoint that does not fit the run is a RunDirError or CheckpointError of one line, on
     every rank, before anything trains. `freeze_reference()` fixes the KL reference as RL starts.
+    On the main rank, `on_saved(step, folder, seconds)` hears of each checkpoint written and
+    `on_restored(step, folder)` of the one a resumed run took back (a progress display's lines).
     """
 
     def __init__(
@@ -122,10 +125,13 @@ class Checkpointer:
         self.shards = ctx.sharded and ctx.distributed and cfg.runtime.checkpoint_format == "auto"
         """Whether a save writes rank shards (runtime.checkpoint_format); a load reads what
         the checkpoint holds, either format."""
+        self.on_saved: Callable[[int, Path, float], None] | None = None
+        self.on_restored: Callable[[int, Path], None] | None = None
 
     def save(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         """Checkpoint `step`: model, optimizer, every rank's RNGs and sampler, the batch source;
         in rank shards under torchrun with FSDP2, whole in one process."""
+        started = time.perf_counter()
         rank_state = {
             "rng": rng_state(),
             "sampler": self.sampler.state_dict(),
@@ -141,15 +147,16 @@ class Checkpointer:
             "tokenizer": tokenizer_fingerprint(self.tokenizer),
         }
         if self.shards:
-            self._save_shards(step, optimizer, ranks, extra)
+            folder = self._save_shards(step, optimizer, ranks, extra)
+            self._saved(step, folder, started)
             return
         weights = model_state(self.policy, self.ctx)
         optim = optimizer_state(self.policy, optimizer, self.ctx)
-        failure = None
+        failure = folder = None
         if self.ctx.is_main:
             try:
                 keep = self.cfg.runtime.keep_checkpoints
-                save_checkpoint(
+                folder = save_checkpoint(
                     self.run_dir, step, weights, optim, rank_states=ranks, extra=extra, keep=keep
                 )
             except CheckpointError as exc:
@@ -157,6 +164,13 @@ class Checkpointer:
         # Every rank learns whether the save failed (this also waits for it), so all stop alike.
         if all_reduce_max(int(failure is not None), self.ctx):
             raise failure or CheckpointError("the main process could not write the checkpoint")
+        self._saved(step, folder, started)
+
+    def _saved(self, step: int, folder: Any, started: float) -> None:
+        """Tell `on_saved` on the main rank, where `folder` is the folder of checkpoint `step`,
+        how long its save took since `started` (perf_counter())."""
+        if self.ctx.is_main and self.on_saved is not None:
+            self.on_saved(step, folder, time.perf_counter() - started)
 
     def _save_shards(
         self,
@@ -164,11 +178,12 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         ranks: list[dict[str, Any]],
         extra: dict[str, Any],
-    ) -> None:
+    ) -> Path | dict:
         """Checkpoint `step` in rank shards: the main rank makes the temporary folder, every
         rank writes its own rows into it (its own shard of host memory, a tensor at a time),
         and once all have (the gather is the barrier) the main rank completes it. A failure on
-        any rank raises CheckpointError on every rank, the checkpoints already there intact."""
+        any rank raises CheckpointError on every rank, the checkpoints already there intact.
+        Returns the checkpoint's folder on the main rank ({} on the others)."""
         ctx = self.ctx
         tmp = broadcast_object(
             self._read_on_main(lambda: begin_checkpoint(self.run_dir, step)), ctx
@@ -183,19 +198,19 @@ class Checkpointer:
         reports = gather_objects((report, said), ctx)
         problem = next((line for _, line in reports if line is not None), None)
 
-        def finish() -> None:
+        def finish() -> Path:
             if problem is not None:
                 abandon_checkpoint(tmp)
                 raise CheckpointError(problem)
             written = [r for r, _ in reports if r is not None]
             keep = self.cfg.runtime.keep_checkpoints
             shards = (written, ctx.world_size, plain)
-            finish_checkpoint(
+            return finish_checkpoint(
                 self.run_dir, step, tmp, rank_states=ranks, extra=extra, keep=keep, shards=shards
             )
 
         try:
-            self._read_on_main(finish)
+            return self._read_on_main(finish)
         except CheckpointError as exc:
             raise exc from failure  # on the rank that failed, with its traceback
 
@@ -204,7 +219,10 @@ class Checkpointer:
         with `optimizer` and `train.init_from`'s weights where the config names them."""
         ckpt = check_resume(self.cfg, resume)
         if ckpt is not None:
-            return self._restore(ckpt, optimizer)
+            restored = self._restore(ckpt, optimizer)
+            if self.ctx.is_main and self.on_restored is not None:
+                self.on_restored(ckpt.step, ckpt.path)
+            return restored
         if self.cfg.train.init_from is not None:
             weights = self._read_on_main(lambda: initial_weights(self.cfg.train.init_from))
             load_model_state(self.policy, weights, self.ctx)

@@ -70,6 +70,10 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     host: list[Term] = field(default_factory=list)
     """Host memory of one node, per moment (a checkpoint's save or load, teachers waiting)."""
+    engine: tuple[int, int] | None = None
+    """vLLM's (need, share) with a device size given: its whole 16-bit weights (the colocated
+    engine runs without tensor parallelism) and one sequence's KV cache, against
+    rollout.vllm_gpu_memory_utilization of the device; vLLM refuses to start below it."""
 
     @property
     def peak(self) -> Phase:
@@ -80,7 +84,10 @@ class MemoryPlan:
         return None if self.memory is None else int(self.memory * (1 - HEADROOM))
 
     def fits(self) -> bool | None:
-        return None if self.memory is None else self.peak.bytes <= self.usable
+        if self.memory is None:
+            return None
+        engine_fits = self.engine is None or self.engine[0] <= self.engine[1]
+        return self.peak.bytes <= self.usable and engine_fits
 
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
@@ -186,7 +193,11 @@ def plan_memory(
     host += checkpoint_host_terms(shape, layout, per_node, sharded_format)
     if teachers:
         host += teacher_host_terms(teachers, per_node, cb)
-    return MemoryPlan(shape.name, gpus, device, phases, memory, notes, host)
+    engine = None
+    if sampler == "vllm" and memory is not None and cfg.train.steps + rollout.eval_packs:
+        sequence = (prompt + rollout.max_response_tokens) * shape.kv_bytes_per_token(cb)
+        engine = (shape.params * cb + sequence, int(rollout.vllm_gpu_memory_utilization * memory))
+    return MemoryPlan(shape.name, gpus, device, phases, memory, notes, host, engine)
 
 
 def _load_terms(shape: ModelShape, layout: Layout, itemsize: int) -> list[Term]:
@@ -271,6 +282,16 @@ def check_fits(plan: MemoryPlan) -> None:
     bytes, its largest term and the setting that shrinks it."""
     if plan.fits() is not False:
         return
+    if plan.engine is not None and plan.engine[0] > plan.engine[1]:
+        need, share = plan.engine
+        raise ConfigError(
+            "rollout.vllm_gpu_memory_utilization",
+            f"vLLM's share of each GPU ({gib(share)}) cannot hold {plan.model}'s 16-bit weights "
+            f"and one sequence's KV cache ({gib(need)}; the colocated engine runs without tensor "
+            f"parallelism): raise it to at least {math.ceil(100 * need / plan.memory) / 100:g} "
+            "if the training step still fits (`cod-fast plan`), or use rollout.sampler=torch "
+            "or a smaller model",
+        )
     peak = plan.peak
     term = peak.largest()
     knob = KNOBS.get(term.name, "a smaller config")

@@ -43,7 +43,7 @@ from cod_fast.rollout.driver import DriverSettings
 from cod_fast.rollout.hints import context_line
 from cod_fast.rollout.prompts import PROMPT_STYLES
 from cod_fast.rollout.vllm_sampler import head_dim, kv_bytes_per_token, kv_heads
-from cod_fast.run.log import summary_writer_class
+from cod_fast.run.trackers import check_trackers
 from cod_fast.run.validate import environment_keys, validate
 from cod_fast.run.vocab import run_tokenizer
 from cod_fast.train.memory_plan import check_fits, plan_memory
@@ -60,8 +60,7 @@ def preflight(cfg: Config) -> None:
     _check_mesh(cfg.runtime.hsdp_replicate, world_size)
     envs = _made_environments(cfg)  # imports a path environment: the first code of its own
     _check_explorers(cfg)
-    if cfg.runtime.tensorboard:
-        summary_writer_class()  # the package is there, before anything is written
+    check_trackers(cfg.runtime.trackers)  # their packages are there, before anything is written
     for name, path in cfg.algo.teachers.items():
         # Teachers wait in host memory, in the compute dtype (cod_fast.train.teachers).
         compute = resolve_dtype(cfg.model, resolve_device(cfg.runtime.device))
@@ -307,6 +306,8 @@ def _sequence_floor(cfg: Config, envs: list[Environment]) -> tuple[int, str] | N
         return 1 + response, f"a prompt of at least 1 token + {response_parts}"
     try:
         tokenizer = run_tokenizer(cfg, envs, DriverSettings.from_config(cfg), is_main=True)
+    except ConfigError:  # a folder the config names (train.init_from): its own key
+        raise
     except (OSError, ValueError) as e:  # an unwritable run folder, a damaged saved tokenizer
         folder = Path(cfg.runtime.run_dir) / "tokenizer"
         raise ConfigError(

@@ -57,6 +57,7 @@ from cod_fast.distributed.context import (
 )
 from cod_fast.distributed.fsdp import full_parameters, shard_policy
 from cod_fast.distributed.host_memory import keep_freed_memory
+from cod_fast.distributed.threads import apply_threads
 from cod_fast.envs import make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.eval.evaluate import evaluate, run_eval_plans, run_eval_sampling, run_eval_settings
@@ -75,6 +76,7 @@ from cod_fast.train.batches import BatchSource, LocalBatches, mixed_packs
 from cod_fast.train.checkpointer import Checkpointer
 from cod_fast.train.record import BatchSteps, mean, step_record
 from cod_fast.train.replay import ReplayBatches
+from cod_fast.train.schedule import rl_lr, warm_start_lr
 from cod_fast.train.step import NonFiniteError, runnable, train_step
 from cod_fast.train.teachers import Teachers
 from cod_fast.train.warm_start import SFT_LOSS
@@ -123,11 +125,12 @@ class Trainer:
         self.device = self.ctx.device
         if cfg.runtime.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()
+        apply_threads(cfg.runtime.threads)
         self.run_dir = Path(cfg.runtime.run_dir)
         if self.ctx.is_main:  # the one writer of the run directory, from before its first write
             lock_run_dir(self.run_dir)
         self.log = RunLog(
-            self.run_dir, enabled=self.ctx.is_main, tensorboard=cfg.runtime.tensorboard
+            self.run_dir, enabled=self.ctx.is_main, trackers=cfg.runtime.trackers, config=cfg
         )
         self.mix = cfg.rollout.environments
         self.envs = make_envs(self.mix)
@@ -182,6 +185,8 @@ class Trainer:
         self.stop_requested = False
         self.stop_signal: int | None = None
         self.on_eval: Callable[[EvalProgress], None] | None = None
+        self.signals = 0
+        self.on_signal: Callable[[int], None] | None = None
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -255,7 +260,7 @@ class Trainer:
     def _warm_step(self) -> dict[str, Any]:
         """A supervised step on the explorer's demonstrations; returns its record."""
         t0 = time.perf_counter()
-        self._set_lr(self._warm_start_lr())
+        self._set_lr(warm_start_lr(self.cfg.train, self.step, self.warm_steps))
         rollouts = self._demonstrations()
         steps = self._update(rollouts, SFT_LOSS, mini_batches=1)
         t_trained = time.perf_counter()
@@ -266,7 +271,7 @@ class Trainer:
     def _rl_step(self) -> dict[str, Any]:
         """An RL step on the batch source's next batch; returns its record."""
         t0 = time.perf_counter()
-        self._set_lr(self._rl_lr())
+        self._set_lr(rl_lr(self.cfg.train, self.step, self.warm_steps))
         if self.local_sampling:  # pushed as the previous RL step ended, unless this is the first
             self._sync_sampler()
         batch = self.batches.next(
@@ -302,9 +307,14 @@ class Trainer:
         )
 
     def _request_stop(self, signum, frame) -> None:
-        if self.stop_requested:  # a second signal: stop at once
+        """A stop signal: the first and second finish the step and checkpoint it, a third
+        stops at once (KeyboardInterrupt); `on_signal` hears each (the CLI says what follows)."""
+        self.signals += 1
+        if self.signals >= 3:
             raise KeyboardInterrupt
-        self.stop_requested, self.stop_signal = True, signum
+        self.stop_requested, self.stop_signal = True, self.stop_signal or signum
+        if self.on_signal is not None:
+            self.on_signal(self.signals)
 
     def _restore_or_start(self, resume: bool) -> None:
         """The run's state from its latest checkpoint (`resume`) or a fresh start, then its
@@ -341,22 +351,6 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _warm_start_lr(self) -> float:
-        """The warm-start learning rate of this step, a function of the step alone (so a
-        resumed run needs no scheduler state): linear warmup, then constant or cosine to 10%."""
-        train, step = self.cfg.train, self.step
-        peak = train.warm_start_lr * min(1.0, (step + 1) / max(train.warm_start_warmup, 1))
-        if train.warm_start_schedule == "constant":
-            return peak
-        progress = min(step, self.warm_steps) / max(self.warm_steps, 1)
-        return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-    def _rl_lr(self) -> float:
-        """RL's learning rate at this step, a function of the step alone: a linear warmup over
-        train.lr_warmup RL steps, then train.lr."""
-        train, rl_step = self.cfg.train, self.step - self.warm_steps + 1
-        return train.lr * min(1.0, rl_step / max(train.lr_warmup, 1))
-
     # --- data ----------------------------------------------------------------------------------
 
     def _demonstrations(self) -> list[Rollout]:
@@ -378,7 +372,8 @@ class Trainer:
         )
 
     def _update(self, rollouts: list[Rollout], loss: LossConfig, mini_batches: int) -> BatchSteps:
-        """Optimizer steps over the batch, split into `mini_batches` of whole rollouts."""
+        """Optimizer steps over the batch, split into `mini_batches` of whole rollouts, each
+        trained train.epochs times over in RL (once in the warm start)."""
         self._sleep_samplers()  # no step trains beside a sampler's memory
         budget, world = self.cfg.train.token_budget, self.ctx.world_size
         share = self.cfg.train.share_prefix
@@ -400,7 +395,8 @@ class Trainer:
         if loss is not SFT_LOSS:
             for mbs, _, _ in plans:  # all before the first update: the policy that sampled
                 self._fill_logprobs(mbs, loss)
-        for mbs, (tokens, segments), packed in plans:
+        epochs = 1 if loss is SFT_LOSS else self.cfg.train.epochs
+        for mbs, (tokens, segments), packed in plans * epochs:  # old log-probs fixed above
             out.tokens += packed
             try:
                 result = train_step(

@@ -632,3 +632,20 @@ def test_huge_values_in_a_config_are_refused_in_a_short_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         apply_overrides(cfg, ["rollout.env_options.nope.deeper=1"])
     assert len(str(info.value)) < 600 and " chars)" in str(info.value)
+
+
+def test_an_override_adds_a_key_to_a_mapping_field_and_nothing_deeper():
+    """`--set rollout.env_options.tries=3` adds an option (a YAML number stays a number, a
+    quoted one a string: the environment's constructor converts it by its annotation); a key
+    below that, or an unknown key of a section, is refused naming it."""
+    cfg = load_config(
+        "tiny-cpu", overrides=["rollout.env_options.tries=3", "rollout.env_options.a='3'"]
+    )
+    assert cfg.rollout.env_options == {"tries": 3, "a": "3"}
+    for bad, key in (
+        ("rollout.env_options.nope.deeper=1", "rollout.env_options.nope"),
+        ("rollout.nope=1", "rollout.nope"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            load_config("tiny-cpu", overrides=[bad])
+        assert refused.value.key == key and "unknown key" in str(refused.value)

@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -43,6 +44,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     os._exit(0)  # the default group has a dead member: no orderly shutdown
 
 
+@pytest.mark.slow  # two processes: ~8 s
 def test_a_failed_publish_leaves_no_broadcast_pending(tmp_path):
     results = spawn_ranks(_rank, 2, (str(tmp_path),), tmp_path, 120, "weight publisher")
     assert results[0]["error"], "the broadcast to a dead worker did not fail"

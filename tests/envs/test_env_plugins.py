@@ -29,7 +29,6 @@ from cod_fast.envs import (
     known_environments,
     make_env,
     register,
-    registry,
 )
 from cod_fast.run.validate import validate
 from cod_fast.train.preflight import preflight
@@ -41,12 +40,6 @@ runner = CliRunner()
 
 GuessEnv = env_class(EXAMPLE)
 example = sys.modules[GuessEnv.__module__]
-
-
-@pytest.fixture(autouse=True)
-def own_registry(monkeypatch):
-    """Each test registers into an empty table of its own, so none sees another's names."""
-    monkeypatch.setattr(registry, "_registered", {})
 
 
 def _assert_one_line(excinfo: pytest.ExceptionInfo, *parts: str) -> None:
@@ -117,7 +110,7 @@ def test_register_by_decorator():
         register("thing")(dict)
 
 
-def test_register_by_entry_point(tmp_path, monkeypatch):
+def test_register_by_entry_point(tmp_path, monkeypatch, installed_plugins):
     """An installed distribution's entry point in group cod_fast.environments resolves by its
     name (read when the name is none of the built-in or registered ones) and is listed; one
     that does not import is one line naming the entry point and the error, and `envs list`
@@ -284,22 +277,24 @@ def _check(*args: str):
 
 def _lines(output: str) -> dict[str, str]:
     """The check lines of `envs check`'s output, by check name."""
-    checks = "class|settings|determinism|fuzz|solver|explorer"
+    checks = "class|settings|determinism|fuzz|solver|explorer|hints"
     return dict(re.findall(rf"^({checks}) +(.*)$", output, re.MULTILINE))
 
 
 def test_envs_check_passes_on_the_example_and_a_builtin():
     """`envs check` on the example (by its file path) and on a built-in: every line ok, exit 0;
-    the example has no solver, and says so."""
+    the example has no solver and no hint entries, and says so."""
     result = _check(EXAMPLE, "--packs", "4")
     assert result.exit_code == 0, result.output
     lines = _lines(result.output)
     assert lines["solver"].startswith("skipped: no solver()")
+    assert lines["hints"].startswith("skipped: no hint entries")
     for check in ("class", "settings", "determinism", "fuzz", "explorer"):
         assert lines[check].startswith("ok"), result.output
-    builtin = _check("grid_nav", "--size", "tiny", "--packs", "2")
+    builtin = _check("frozenlake", "--size", "tiny", "--packs", "2")
     assert builtin.exit_code == 0, builtin.output
-    assert all(line.startswith("ok: ") for line in _lines(builtin.output).values())
+    lines = _lines(builtin.output)
+    assert len(lines) == 7 and all(line.startswith("ok: ") for line in lines.values())
 
 
 @pytest.mark.parametrize(

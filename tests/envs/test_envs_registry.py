@@ -17,13 +17,17 @@ from cod_fast.envs.packs import make_packs, pack_seeds
 def test_every_environment_passes_the_checks(name, size):
     """Each built-in environment builds by name (its `name` matches, the config accepts it) and
     passes every check of `cod-fast envs check`: declarations, both settings, determinism,
-    hostile actions, rewards in range, its solver near the top of the range and its explorer
-    through whole packs."""
+    hostile actions, rewards in range, its solver near the top of the range, its explorer
+    through whole packs (no worse late in a pack than first) and, where it declares hint
+    entries, their round trip through the hints it renders."""
     assert make_env(name, "eval", size).name == name
     assert EnvEntry(name=name).name == name
-    assert env_class(name).has_solver() and env_class(name).has_explorer()
+    cls = env_class(name)
+    assert cls.has_solver() and cls.has_explorer()
     results = run_checks(name, size, packs=4)
-    assert [r.status for r in results] == ["ok"] * 6, "\n".join(r.line() for r in results)
+    hints = "ok" if cls.has_hint_entries() else "skipped"
+    expected = ["ok"] * 6 + [hints]
+    assert [r.status for r in results] == expected, "\n".join(r.line() for r in results)
 
 
 def test_unknown_environment_is_a_clear_error():

@@ -140,10 +140,16 @@ def test_train_refuses_a_bad_model_folder_in_the_preflight(bad_model):
     field, the folder and the problem, before the Trainer is built."""
     folder, problem = bad_model
     sets = ["model.tokenizer=char", f"model.name_or_path={folder}"]
-    result = runner.invoke(app, ["train", *(x for s in sets for x in ("--set", s))])
+    args = [x for s in sets for x in ("--set", s)]
+    result = runner.invoke(app, ["train", "--preset", "tiny-cpu", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: model.name_or_path: {folder}: ")
     assert problem in result.stderr and result.stderr.count("\n") == 1
+    # Without a preset, choosing one reads the folder's size first: one line too.
+    chosen = runner.invoke(app, ["train", *args])
+    assert chosen.exit_code == 2, chosen.output
+    errors = [line for line in chosen.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in chosen.output, chosen.output
 
 
 def test_matrix_refuses_a_bad_last_model_before_the_first_one_plays(
@@ -168,4 +174,5 @@ def test_a_vocabulary_larger_than_the_tokenizer_is_accepted(tmp_path):
     char_tokenizer(CHATML).save_pretrained(folder)
     model, tokenizer = load_policy(ModelConfig(name_or_path=str(folder)))
     assert model.config.vocab_size == len(tokenizer) + 25
-    preflight(load_config(overrides=["model.tokenizer=char", f"model.name_or_path={folder}"]))
+    sets = ["model.tokenizer=char", f"model.name_or_path={folder}"]
+    preflight(load_config("tiny-cpu", overrides=sets))

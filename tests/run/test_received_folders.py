@@ -84,9 +84,10 @@ def test_export_of_a_received_run_runs_none_of_its_code(trained, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("in_checkpoint", [True, False])
 def test_resume_of_a_received_run_runs_none_of_its_code(trained, tmp_path, in_checkpoint):
-    """`--resume` compares the user's config with the run's; the run's own environment path is
-    never imported, whether its checkpoint holds the config or (an older checkpoint) only
-    config.yaml does."""
+    """`--resume` continues with the run's own config, whose environment path is never
+    imported unless the user names it too (whether its checkpoint holds the config or, an
+    older checkpoint, only config.yaml does); with --preset the user's whole config is compared
+    with the run's, and the run's path is not imported either."""
     run = shutil.copytree(trained[0], tmp_path / "run")
     env, marker = _planted(tmp_path)
     _edit_yaml(run / "config.yaml", "rollout", "env", env)
@@ -99,7 +100,9 @@ def test_resume_of_a_received_run_runs_none_of_its_code(trained, tmp_path, in_ch
         meta.write_text(json.dumps(data))
     sets = [a for s in [*FAST, f"runtime.run_dir={run}"] for a in ("--set", s)]
     refused = cli_error(runner.invoke(app, ["train", "--resume", *sets]))
-    assert "was not trained with: rollout.env" in refused
+    assert "a path to code" in refused and "--set rollout.env=" in refused
+    compared = cli_error(runner.invoke(app, ["train", "--resume", "--preset", "tiny-cpu", *sets]))
+    assert "was not trained with: rollout.env" in compared
     assert not marker.exists()
 
 

@@ -183,13 +183,13 @@ def test_the_run_log_writes_nothing_through_a_link(tmp_path, write):
 
 
 def test_tensorboard_refuses_a_linked_tb_folder(tmp_path):
-    """`runtime.tensorboard`: a `tb` that links to a folder outside is refused before an event
-    file is written into it."""
+    """`runtime.report_to=[tensorboard]`: a `tb` that links to a folder outside is refused as
+    the trackers start, before an event file is written into it."""
     target = _outside(tmp_path, "tb", folder=True)
     before = _state(target)
     link = _link(tmp_path / "run" / "tb", target)
     with pytest.raises(OSError) as caught:
-        RunLog(tmp_path / "run", tensorboard=True)
+        RunLog(tmp_path / "run", trackers=["tensorboard"]).truncate(-1)
     _refusal(str(caught.value), link)
     assert _state(target) == before
 

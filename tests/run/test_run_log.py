@@ -41,7 +41,7 @@ def test_plot_and_tensorboard_are_written(tmp_path):
     included) land in event files under tb/."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log = RunLog(tmp_path, tensorboard=True)
+    log = RunLog(tmp_path, trackers=["tensorboard"])
     log.step({"step": 1, "reward_by_position": [0.1, 0.3], "loss": 0.5, "phase": "rl"})
     log.evaluation("end", 1, summary([0.2, 0.6]))
     log.close()

@@ -227,3 +227,40 @@ def test_the_plan_shows_activations_with_and_without_checkpointing():
         f"{with_ckpt / 2**30:.2f} GiB with" in note and f"{without / 2**30:.2f} GiB without" in note
     )
     assert without > 5 * with_ckpt  # 28 layers' activations against their inputs and one layer
+
+
+def test_a_vllm_share_that_cannot_hold_the_model_does_not_fit():
+    """The colocated engine holds the whole 16-bit model on each GPU: Qwen3-32B's 61 GiB does
+    not fit vLLM's 40 GiB share of an 80 GiB GPU even where the training step fits (16-bit
+    masters), and the refusal names the share; Qwen3-14B's 27.5 GiB and its sequence do."""
+    cfg = with_setting(PRESETS["qwen3-8b"](), "train", master_dtype="model")
+    big = plan_memory(
+        cfg,
+        model_shape(ModelConfig(name_or_path="Qwen/Qwen3-32B")),
+        gpus=8,
+        memory=80 * 2**30,
+        sampler="vllm",
+    )
+    assert big.peak.bytes <= big.usable and big.fits() is False
+    need, share = big.engine
+    assert share == 40 * 2**30 and need > 61 * 2**30
+    with pytest.raises(ConfigError) as refused:
+        check_fits(big)
+    assert refused.value.key == "rollout.vllm_gpu_memory_utilization"
+    assert "tensor parallelism" in str(refused.value) and "\n" not in str(refused.value)
+    fits = plan_memory(
+        cfg,
+        model_shape(ModelConfig(name_or_path="Qwen/Qwen3-14B")),
+        gpus=8,
+        memory=80 * 2**30,
+        sampler="vllm",
+    )
+    assert fits.fits() and fits.engine[0] < fits.engine[1]
+    torch_sampler = plan_memory(
+        cfg,
+        model_shape(ModelConfig(name_or_path="Qwen/Qwen3-32B")),
+        gpus=8,
+        memory=80 * 2**30,
+        sampler="torch",
+    )
+    assert torch_sampler.engine is None

@@ -389,7 +389,7 @@ def test_preflight_passes_configs_that_work(tmp_path, monkeypatch):
         [f"model.name_or_path={folder}"],
         ["model.name_or_path=./my-model"],
     ):
-        preflight(load_config(overrides=[CHAR, *overrides]))
+        preflight(load_config("tiny-cpu", overrides=[CHAR, *overrides]))
     fake_cuda(monkeypatch)
     preflight(load_config(overrides=[CHAR, "runtime.device=auto", "model.dtype=float16"]))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
