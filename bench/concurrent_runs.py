@@ -13,17 +13,18 @@ also reports its steps' own seconds (the sum of `step_s` in its metrics.jsonl).
 For each wait policy the N runs go one after another (serial), then all start at once
 (concurrent). The ratio concurrent / serial is about 1 when the runs share the cores well (one
 run alone already keeps every core busy) and grows when idle OpenMP workers spin on cores that
-other runs' threads need. The runs' OMP_WAIT_POLICY, by policy:
+other runs' threads need. The runs' wait policy, by name:
 
-- `passive`: unset, so cod-fast's default applies (cod_fast/__init__.py): PASSIVE, idle workers
-  sleep at once;
+- `cod-fast`: neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT set, so cod-fast's default applies
+  (cod_fast/__init__.py): a short spin (GOMP_SPINCOUNT=10000) before an idle worker sleeps;
+- `passive` (`--compare`): OMP_WAIT_POLICY=PASSIVE, idle workers sleep at once;
 - `active` (`--compare`): ACTIVE, idle workers spin up to minutes before they sleep (libgomp's
   spin count 3e10);
-- `libgomp` (`--compare`): an empty value, which libgomp refuses (one line on each run's stderr)
-  and replaces by its own default, a spin of ~3 ms per wait (spin count 3e5): what a run got
-  before cod-fast set the policy.
+- `libgomp` (`--compare`): an empty OMP_WAIT_POLICY, which libgomp refuses (one line on each
+  run's stderr) and replaces by its own default, a spin of ~3 ms per wait (spin count 3e5):
+  what a run got before cod-fast set the policy.
 
-With `--compare` the table also gives one run alone under `passive` against each other policy
+With `--compare` the table also gives one run alone under `cod-fast` against each other policy
 (its serial runs' median): the policy should cost a run alone nothing (within 5%).
 
 The runs get torch's default threads (OMP_NUM_THREADS and MKL_NUM_THREADS are removed from their
@@ -48,12 +49,14 @@ from pathlib import Path
 from cod_fast.bench.harness import OthersCPU, emit_summary, print_table, run_meta
 
 PRESET = "tiny-cpu"
-POLICIES = {"passive": None, "active": "ACTIVE", "libgomp": ""}
+POLICIES = {"cod-fast": None, "passive": "PASSIVE", "active": "ACTIVE", "libgomp": ""}
 """Each policy's OMP_WAIT_POLICY for the runs (None: unset, cod-fast's default)."""
-BASELINE = "passive"
+BASELINE = "cod-fast"
+POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+"""What the bench's own process inherited or cod-fast set in it: never passed on to the runs."""
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 ALONE_TOLERANCE = 0.05
-"""How much slower than under another policy one run alone may be under `passive`."""
+"""How much slower than under another policy one run alone may be under `cod-fast`."""
 
 
 def run_command(run_dir: Path, steps: int, threads: int | None, overrides: list[str]) -> list[str]:
@@ -75,7 +78,7 @@ def run_command(run_dir: Path, steps: int, threads: int | None, overrides: list[
 def run_env(policy: str, threads: int | None) -> dict[str, str]:
     """The runs' environment under `policy`: OMP_WAIT_POLICY per POLICIES and, without
     `threads`, no thread-count variables (torch's default: one thread per core)."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in POLICY_VARIABLES}
     if threads is None:
         env = {k: v for k, v in env.items() if k not in THREAD_VARIABLES}
     if POLICIES[policy] is not None:
@@ -183,7 +186,7 @@ TABLE = (
     ("ratio", "concurrent / serial", ".2f"),
     ("steps_alone_s", "steps alone s", ".2f"),
     ("steps_concurrent_s", "steps concurrent s", ".2f"),
-    ("alone_vs", "passive alone / this", ".3f"),
+    ("alone_vs", "cod-fast alone / this", ".3f"),
 )
 
 
@@ -200,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=150, help="warm-start steps per run")
     parser.add_argument("--threads", type=int, help="runtime.threads of every run")
     parser.add_argument(
-        "--compare", action="store_true", help="also under ACTIVE and libgomp's own default"
+        "--compare", action="store_true", help="also under PASSIVE, ACTIVE and libgomp's own default"
     )
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta = run_meta()
     settings = {"runs": args.runs, "steps": args.steps, "threads": args.threads, "set": args.set}
     summary = {**meta, "settings": settings, "others_cpu": others_share(others, children_cpu_s)}
-    summary |= {"policies": policies, "alone_vs_passive": against}
+    summary |= {"policies": policies, "alone_vs_cod_fast": against}
     return emit_summary(summary, args.out or default_out(meta))
 
 

@@ -338,7 +338,7 @@ def bench_concurrent(
     ] = None,
     compare: Annotated[
         bool,
-        typer.Option("--compare", help="Also under OMP_WAIT_POLICY=ACTIVE and libgomp's default."),
+        typer.Option("--compare", help="Also under PASSIVE, ACTIVE and libgomp's default."),
     ] = False,
     overrides: SetOption = None,
     out: Annotated[Path | None, typer.Option(help="The JSON file.")] = None,

@@ -2,9 +2,9 @@
 
 Two settings decide how a run's OpenMP threads share the cores:
 
-- The wait policy: importing cod_fast sets `OMP_WAIT_POLICY=PASSIVE` unless the user set it
-  (cod_fast/__init__.py says why), so idle workers sleep instead of spinning on cores other
-  processes need.
+- The wait policy: importing cod_fast shortens libgomp's spin before an idle worker sleeps
+  (`GOMP_SPINCOUNT=10000`, unless the user set it or `OMP_WAIT_POLICY`; cod_fast/__init__.py
+  says why), so idle workers do not hold cores other processes need.
 - The thread count, here: `runtime.threads` null keeps torch's default (one thread per core the
   process may use, or `OMP_NUM_THREADS` where set); N sets N for this process, before its first
   computation (torch's warning in `torch.set_num_threads`: the count must be set before eager,

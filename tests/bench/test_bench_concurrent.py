@@ -32,13 +32,16 @@ def test_a_run_is_the_warm_start_alone(tmp_path):
 
 
 def test_each_policy_gets_its_environment(monkeypatch):
-    """`passive` leaves OMP_WAIT_POLICY unset (cod-fast's default decides), the others set
-    theirs; without --threads the runs get torch's default thread count."""
+    """`cod-fast` leaves OMP_WAIT_POLICY and GOMP_SPINCOUNT unset (cod-fast's default
+    decides), the others set their policy and never inherit the bench's own spin count; without
+    --threads the runs get torch's default thread count."""
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("MKL_NUM_THREADS", "1")
     envs = {p: concurrent.run_env(p, None) for p in concurrent.POLICIES}
-    assert [e.get("OMP_WAIT_POLICY") for e in envs.values()] == [None, "ACTIVE", ""]
+    assert [e.get("OMP_WAIT_POLICY") for e in envs.values()] == [None, "PASSIVE", "ACTIVE", ""]
+    assert not any("GOMP_SPINCOUNT" in e for e in envs.values())
     assert not any(k in e for e in envs.values() for k in concurrent.THREAD_VARIABLES)
     assert concurrent.run_env("active", 2)["OMP_NUM_THREADS"] == "1"
 
@@ -49,7 +52,9 @@ def test_an_empty_policy_is_libgomps_own_default():
     the `libgomp` policy is what runs got before cod-fast chose one."""
     counts = []
     for policy in ("", None):
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+        }
         env |= {"OMP_DISPLAY_ENV": "VERBOSE"} | ({"OMP_WAIT_POLICY": policy} if policy else {})
         code = f"import ctypes; ctypes.CDLL({str(LIBGOMP)!r})"
         proc = subprocess.run(
@@ -61,7 +66,7 @@ def test_an_empty_policy_is_libgomps_own_default():
 
 def test_the_summary_is_the_runs_arithmetic(tmp_path):
     """Serial is the runs' sum, concurrent the last exit, alone the serial median; the alone
-    comparison is passive's median over each other policy's."""
+    comparison is cod-fast's median over each other policy's."""
     runs = {"serial": {"wall_s": [10.0, 12.0, 11.0], "steps_s": [8.0, 9.0, 7.0]}}
     runs["concurrent"] = {"wall_s": [30.0, 33.0, 31.5], "steps_s": [25.0, 24.0, 26.0]}
     passive = concurrent.summarize(runs)
@@ -70,10 +75,10 @@ def test_the_summary_is_the_runs_arithmetic(tmp_path):
     assert (passive["steps_alone_s"], passive["steps_concurrent_s"]) == (8.0, 25.0)
     slower = concurrent.summarize(runs | {"serial": {"wall_s": [10.4] * 3, "steps_s": [8.0] * 3}})
     faster = concurrent.summarize(runs | {"serial": {"wall_s": [9.0] * 3, "steps_s": [8.0] * 3}})
-    against = concurrent.alone_against({"passive": passive, "active": slower, "libgomp": faster})
+    against = concurrent.alone_against({"cod-fast": passive, "active": slower, "libgomp": faster})
     assert against["active"] == {"ratio": pytest.approx(11 / 10.4), "at_most_5pct_slower": False}
     assert against["libgomp"] == {"ratio": pytest.approx(11 / 9), "at_most_5pct_slower": False}
-    same = concurrent.alone_against({"passive": passive, "active": passive})
+    same = concurrent.alone_against({"cod-fast": passive, "active": passive})
     assert same == {"active": {"ratio": 1.0, "at_most_5pct_slower": True}}
     meta = {"timestamp": "2026-12-06T10:00:00+00:00", "commit": "abc1234"}
     assert concurrent.default_out(meta) == Path("bench/results/20261206-abc1234-concurrent.json")
@@ -88,8 +93,8 @@ def test_cod_fast_bench_concurrent_writes_its_json(tmp_path):
     assert result.exit_code == 0, result.output
     summary = json.loads(out.read_text())
     assert json.loads(result.output.strip().splitlines()[-1]) == summary
-    assert list(summary["policies"]) == ["passive"]
-    passive = summary["policies"]["passive"]
+    assert list(summary["policies"]) == ["cod-fast"]
+    passive = summary["policies"]["cod-fast"]
     assert passive["omp_wait_policy"] is None
     for phase in ("serial", "concurrent"):
         assert len(passive[phase]["wall_s"]) == 2
