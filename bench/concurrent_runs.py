@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=150, help="warm-start steps per run")
     parser.add_argument("--threads", type=int, help="runtime.threads of every run")
     parser.add_argument(
-        "--compare", action="store_true", help="also under PASSIVE, ACTIVE and libgomp's own default"
+        "--compare",
+        action="store_true",
+        help="also under PASSIVE, ACTIVE and libgomp's own default",
     )
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
