@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from cod_fast.cli.app import app
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_bench_plan_measures_every_case_within_its_tolerance(tmp_path):
     args = ["bench", "plan", "--shape", "tiny", "--device", "cpu", "--out", str(tmp_path)]
     result = CliRunner().invoke(app, [*args, "--check"])

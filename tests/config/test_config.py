@@ -612,6 +612,7 @@ def test_an_override_over_the_cap_is_refused_in_one_line(monkeypatch):
     assert load_config(overrides=[f"model.chat_template='{'{{ x }}' * 100}'"])
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_huge_values_in_a_config_are_refused_in_a_short_line(tmp_path):
     """A config file with a 5 MB string where a number goes, or with a mapping of 100,000
     unknown keys under `rollout`, is one short line (the size cap refuses both files unread);

@@ -190,6 +190,7 @@ def test_long_runs_get_a_moving_average():
     assert len(short.columns["rl"][2].series) == 1
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_the_figure_draws_the_layout(tmp_path, monkeypatch):
     """plot_curves draws what curve_layout says: a panel per row and phase, and each
     evaluation series as markers with no connecting line, with error bars."""

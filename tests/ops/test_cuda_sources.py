@@ -9,6 +9,7 @@ from cod_fast.ops import cuda_head
 from cod_fast.ops.loss_head import HeadInputs, token_head
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 @pytest.mark.skipif(cuda_head.nvcc_path() is None, reason="nvcc not installed")
 def test_cuda_kernels_compile(tmp_path):
     """csrc/cuda/loss_head.cu (with the shared csrc/loss_head.h) builds for Hopper with nvcc,

@@ -137,6 +137,7 @@ def test_each_bucket_is_recorded_once(tmp_path):
     assert capture.pools == [None, first_pool]
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 def test_a_larger_bucket_grows_the_storage_and_records_again(tmp_path):
     """An 8-row bucket, then a 16-row one: the storage is replaced by one for 16 rows, every
     recording on the old storage is dropped with its pool, and the 8-row bucket is recorded
@@ -189,6 +190,7 @@ def test_held_bytes_are_the_largest_bucket_and_the_buckets_buffers(tmp_path):
     assert static.held_bytes() == 0
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 def test_a_replaced_parameter_is_recorded_again(tmp_path):
     """A weight updated in place is read by the kept recording (same address); a parameter
     replaced by a new tensor drops every recording and its pool, and the next call records

@@ -64,6 +64,7 @@ def test_environment_draw_follows_the_weights_and_the_index_alone():
     assert {draw_env(["x"], [5.0], "warm", 3, i) for i in range(20)} == {"x"}
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_tokenizer_of_several_environments_covers_each():
     """The bpe vocabulary of a mixed run is trained on every environment's transcripts: one
     environment gives the single-environment tokenizer exactly, and on each environment's

@@ -92,6 +92,7 @@ def test_cod_advantages_equal_an_independent_per_episode_loop(std_norm):
     assert kinds == {"solve", "update"}  # the rollouts exercise both kinds of return
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 def test_the_trainers_gradient_equals_the_naive_sum_over_its_own_logits(tmp_path):
     """The trainer's RL update (prefix-shared packing, the fused loss, token-mean over the
     step) on real multi-turn rollouts, with old log-probs recomputed so every ratio is 1: its

@@ -17,6 +17,7 @@ def summary(values):
     return PositionSummary(mean_reward=values, success_rate=None, num_packs=4)
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_truncate_keeps_what_a_resumed_run_does_not_redo(tmp_path):
     """Resuming from checkpoint N keeps metrics of steps <= N and evaluations before step N
     (an evaluation at N follows that checkpoint, so the resumed run redoes it); -1 keeps none."""
@@ -36,6 +37,7 @@ def test_truncate_keeps_what_a_resumed_run_does_not_redo(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == "" and log.evaluations() == []
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_plot_and_tensorboard_are_written(tmp_path):
     """Each record refreshes rewards.png; with tensorboard on, scalars (per-position rewards
     included) land in event files under tb/."""
@@ -75,6 +77,7 @@ def _lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 def test_a_torn_last_line_is_dropped_with_a_warning_and_rewritten_on_resume(tmp_path):
     """A record cut short by a full disk or a power cut (the last line, no newline) is
     dropped: evaluations() and truncate() warn naming the file and the dropped text, truncate
@@ -98,6 +101,7 @@ def test_a_torn_last_line_is_dropped_with_a_warning_and_rewritten_on_resume(tmp_
     assert [r["step"] for r in _lines(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 def test_a_damaged_line_before_the_last_is_refused_naming_file_line_and_fix(tmp_path):
     """A line that is no JSON record with whole records after it is no torn append: truncate()
     and evaluations() raise RunLogError (a ValueError: one line from the CLI) naming the file,
@@ -118,6 +122,7 @@ def test_a_damaged_line_before_the_last_is_refused_naming_file_line_and_fix(tmp_
         log.evaluations()
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 def test_a_log_over_its_bound_or_no_file_is_refused_unread(tmp_path, monkeypatch):
     """A log larger than any run writes, or a log that is /dev/zero or a named pipe (a run
     directory from elsewhere), is one RunLogError naming the file and the fix, without reading

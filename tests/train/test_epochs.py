@@ -11,20 +11,15 @@ import cod_fast.train.trainer as trainer_module
 from cod_fast.config.io import load_config
 from cod_fast.train.step import train_step
 from cod_fast.train.trainer import Trainer
+from tests.train.test_trainer import FAST as TRAINER_FAST
 
 pytestmark = pytest.mark.slow  # training runs: seconds each
 
 # A one-layer model, two packs of two members, no warm start, two RL steps of two mini-batches;
 # the entropy bonus moves the weights even when every advantage is 0 (an untrained model's).
 FAST = [
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.num_heads=2",
-    "model.intermediate_size=64",
-    "rollout.packs_per_step=2",
-    "rollout.group_size=2",
+    *(o for o in TRAINER_FAST if o.startswith(("model.", "rollout."))),
     "rollout.eval_packs=0",
-    "rollout.max_response_tokens=12",
     "train.warm_start_steps=0",
     "train.steps=2",
     "train.mini_batches=2",

@@ -126,6 +126,7 @@ def test_training_step_plan_within_15_percent_of_live_peak(step):
     assert abs(planned - measured) <= TOLERANCE * measured, (planned, measured)
 
 
+@pytest.mark.slow  # 0.5-1 s: left to the full suite
 @pytest.mark.parametrize("static", [False, True])
 def test_sampling_plan_within_15_percent_of_live_peak(static):
     """A generate() of 6 groups of 4 members with every response at its cap: the model's
@@ -234,13 +235,12 @@ def test_a_vllm_share_that_cannot_hold_the_model_does_not_fit():
     not fit vLLM's 40 GiB share of an 80 GiB GPU even where the training step fits (16-bit
     masters), and the refusal names the share; Qwen3-14B's 27.5 GiB and its sequence do."""
     cfg = with_setting(PRESETS["qwen3-8b"](), "train", master_dtype="model")
-    big = plan_memory(
-        cfg,
-        model_shape(ModelConfig(name_or_path="Qwen/Qwen3-32B")),
-        gpus=8,
-        memory=80 * 2**30,
-        sampler="vllm",
-    )
+
+    def node_of_80(model: str, sampler: str = "vllm"):
+        shape = model_shape(ModelConfig(name_or_path=model))
+        return plan_memory(cfg, shape, gpus=8, memory=80 * 2**30, sampler=sampler)
+
+    big = node_of_80("Qwen/Qwen3-32B")
     assert big.peak.bytes <= big.usable and big.fits() is False
     need, share = big.engine
     assert share == 40 * 2**30 and need > 61 * 2**30
@@ -248,19 +248,6 @@ def test_a_vllm_share_that_cannot_hold_the_model_does_not_fit():
         check_fits(big)
     assert refused.value.key == "rollout.vllm_gpu_memory_utilization"
     assert "tensor parallelism" in str(refused.value) and "\n" not in str(refused.value)
-    fits = plan_memory(
-        cfg,
-        model_shape(ModelConfig(name_or_path="Qwen/Qwen3-14B")),
-        gpus=8,
-        memory=80 * 2**30,
-        sampler="vllm",
-    )
+    fits = node_of_80("Qwen/Qwen3-14B")
     assert fits.fits() and fits.engine[0] < fits.engine[1]
-    torch_sampler = plan_memory(
-        cfg,
-        model_shape(ModelConfig(name_or_path="Qwen/Qwen3-32B")),
-        gpus=8,
-        memory=80 * 2**30,
-        sampler="torch",
-    )
-    assert torch_sampler.engine is None
+    assert node_of_80("Qwen/Qwen3-32B", sampler="torch").engine is None

@@ -152,6 +152,7 @@ WAKING_PUSH = [("wake_up", ("weights",)), *RELOAD, ("wake_up", ("kv_cache",)), P
 """A push into a sleeping engine: it wakes the weights, reloads, then wakes the KV cache."""
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_warm_start_and_rl_steps_train_with_the_engine_asleep(tmp_path, engines):
     """Through a warm start, its evaluations and RL steps: the engine is asleep at every
     training step (the warm start's too), the first warm step comes after the start
@@ -173,6 +174,7 @@ def test_warm_start_and_rl_steps_train_with_the_engine_asleep(tmp_path, engines)
     assert ("sleep", 2) not in calls[pushes[-1] : rollout]
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_each_evaluation_is_followed_by_sleep_before_training(tmp_path, engines):
     """With an evaluation before the warm step, after it and after every RL step, every
     evaluation's sampling is followed by a sleep before the next training step."""
@@ -188,6 +190,7 @@ def test_each_evaluation_is_followed_by_sleep_before_training(tmp_path, engines)
         assert ("sleep", 2) in upto[upto.index(("generate", 1)) :], upto
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_a_run_resumed_into_the_warm_start_sleeps_before_it_trains(tmp_path, engines):
     """A run stopped after its first warm step and resumed: the new engine starts awake, and
     the resumed warm step trains only after it sleeps; no weights are pushed into an engine
@@ -230,6 +233,7 @@ def test_torch_samplers_sleep_before_training(tmp_path, monkeypatch):
         assert {s for _, s in log[i - 2 : i]} == seeds, log
 
 
+@pytest.mark.slow  # 1-2 s: left to the full suite
 def test_the_engine_starts_after_the_policy_is_sharded(tmp_path, engines, monkeypatch):
     """In mixed precision one process shards its policy over a one-rank mesh: when the vLLM
     engine starts, every parameter of the policy is a sharded DTensor, and the folder the
