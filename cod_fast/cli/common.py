@@ -58,7 +58,9 @@ def refuse(error: BaseException, message: str | None = None) -> NoReturn:
 
 
 def bad_model_input() -> tuple[type[Exception], ...]:
-    """What a bad model folder, run directory, name or value raises: one red line, no traceback."""
+    """What a bad model folder, run directory, name or value raises, and an API model's endpoint
+    that fails: one red line, no traceback."""
+    from cod_fast.rollout.chat_endpoint import EndpointError
     from cod_fast.run.checkpoint import CheckpointError
 
-    return (ValueError, OSError, CheckpointError)
+    return (ValueError, OSError, CheckpointError, EndpointError)

@@ -34,8 +34,9 @@ ModelsOption = Annotated[
     list[str],
     typer.Option(
         "--model",
-        help="A model folder (cod-fast export, any Hugging Face causal LM) or a run directory "
-        "(cod-fast train); repeatable with --matrix.",
+        help="A model folder (cod-fast export, any Hugging Face causal LM), a run directory "
+        "(cod-fast train), or an API model: openai:URL#MODEL, an OpenAI-compatible endpoint "
+        "(key in COD_FAST_EVAL_API_KEY, else OPENAI_API_KEY); repeatable with --matrix.",
     ),
 ]
 EnvsOption = Annotated[
@@ -106,6 +107,7 @@ def eval_command(
     from cod_fast.envs import ENVIRONMENTS, make_env
     from cod_fast.envs.packs import STRATEGIES
     from cod_fast.eval.evaluate import EvalPlan, evaluate
+    from cod_fast.rollout.chat_endpoint import EndpointError
     from cod_fast.rollout.driver import HINT_SOURCES, check_hint_source
 
     flags = play_flags(locals())
@@ -151,6 +153,8 @@ def eval_command(
         )
         try:
             report = evaluate(sampler, chat, plan, settings, out, on_progress=working.part_tasks)
+        except EndpointError as e:  # an API model's endpoint that failed, after its retries
+            refuse(e)
         except OSError as e:  # --out not writable, or an entry there that is a link
             refuse(e, f"--out {out}: {e}")
     rows = {

@@ -15,7 +15,12 @@ from rich.table import Table
 from cod_fast.cli.common import bad_model_input, fail, refuse
 
 ModelOption = Annotated[  # a str: a Path would turn ./name into name, which reads as a hub id
-    str, typer.Option("--model", help="A Hugging Face model folder (e.g. from cod-fast export).")
+    str,
+    typer.Option(
+        "--model",
+        help="A Hugging Face model folder (e.g. from cod-fast export), or an API model: "
+        "openai:URL#MODEL (key in COD_FAST_EVAL_API_KEY, else OPENAI_API_KEY).",
+    ),
 ]
 EnvOption = Annotated[
     str | None, typer.Option(help="The training environment (in-domain) [frozenlake].")
@@ -61,8 +66,8 @@ def model_play(model: str, flags: dict) -> tuple[dict, object, object]:
     """(options, sampler, chat format) for playing `model` (cod_fast.eval.matrix.load_player): a
     model written by `cod-fast export`, or a run directory, plays as its run evaluated
     (environment, size, eval setting and packs, prompt style, token caps, temperature, seed),
-    other models with the defaults in brackets; a flag that is given overrides one of those, and
-    says so."""
+    other models (an API model's `openai:URL#MODEL` too) with the defaults in brackets; a flag
+    that is given overrides one of those, and says so."""
     from cod_fast.eval.matrix import load_player
 
     try:
@@ -187,6 +192,7 @@ def rollout_command(
     from cod_fast.data.transcript import print_rollout, rollout_record
     from cod_fast.envs import make_env
     from cod_fast.envs.packs import make_packs, pack_seeds
+    from cod_fast.rollout.chat_endpoint import EndpointError
     from cod_fast.rollout.driver import RolloutDriver
 
     check_packs(count)
@@ -198,7 +204,10 @@ def rollout_command(
         played = make_packs(pack_seeds("eval", count), o["tasks"])
         working.stage(f"playing {count} packs of {o['tasks']} tasks in {o['env']}")
         driver = RolloutDriver(environment, sampler, chat, o["settings"])
-        rollouts = driver.run(played, group_size=1, on_progress=working.tasks)
+        try:
+            rollouts = driver.run(played, group_size=1, on_progress=working.tasks)
+        except EndpointError as e:  # an API model's endpoint that failed, after its retries
+            refuse(e)
     console = Console()
     for rollout in rollouts:
         record = rollout_record(rollout, chat.tokenizer)

@@ -4,7 +4,9 @@ one JSON and one heatmap.
 Each model plays as `cod-fast eval --model` plays it (`load_player`, the one code path of both):
 a folder written by `cod-fast export` with its run's own evaluation (eval setting, size, packs,
 prompt style, token caps, temperature, seed); a run directory of `cod-fast train`, exported to a
-temporary folder first and then the same; any other Hugging Face causal LM with fixed defaults.
+temporary folder first and then the same; any other Hugging Face causal LM with fixed defaults;
+an API model, `openai:URL#MODEL` (cod_fast.rollout.endpoint_player), with the same defaults, its
+row labelled `MODEL@host`.
 Only the environment and the pack strategy vary along a row. Every cell starts from the model's
 fresh eval sampling stream, so a cell is what `cod-fast eval --model M --env E` reports for it
 (one strategy), and a run's cell of any of its environments is that run's own evaluation (as
@@ -41,7 +43,15 @@ from cod_fast.model.loading import (
     resolve_dtype,
 )
 from cod_fast.rollout.chat import ChatFormat, names_file
+from cod_fast.rollout.endpoint_player import (
+    EndpointSampler,
+    TextChat,
+    parse_player_spec,
+    player_label,
+    player_spec_shown,
+)
 from cod_fast.rollout.judge_clients import judge_problem
+from cod_fast.rollout.sampler import Sampler
 from cod_fast.rollout.torch_sampler import TorchSampler
 from cod_fast.run.export import RUN_CONFIG, export_model, read_run_config
 
@@ -81,42 +91,64 @@ def load_player(
     log: Log | None = None,
     *,
     columns: Sequence[str] = (),
-) -> tuple[dict, TorchSampler, ChatFormat]:
+) -> tuple[dict, Sampler, ChatFormat | TextChat]:
     """(options, sampler, chat format) for playing `model`: a run's model (exported, or its run
-    directory) as its run evaluated, any other model with `eval_defaults(None)`. `flags` (keys
-    of those options; None: not given) override them; `log` hears of each override of a run's
-    own value; `columns`, the environments a matrix plays, stand for the environment. Raises
-    ValueError for an unknown flag or environment name before the model loads, and for what
-    the folder's own config may not choose (`received_problem`)."""
+    directory) as its run evaluated, any other model with `eval_defaults(None)`, an API model
+    (`openai:URL#MODEL`, cod_fast.rollout.endpoint_player) like any other model, through its
+    endpoint and the text chat format. `flags` (keys of those options; None: not given)
+    override them; `log` hears of each override of a run's own value; `columns`, the
+    environments a matrix plays, stand for the environment. Raises ValueError for an unknown
+    flag or environment name before the model loads, and for what the folder's own config may
+    not choose (`received_problem`)."""
+    endpoint = parse_player_spec(str(model))
+    if endpoint is not None:
+        o = _options(None, flags, log, columns)
+        sampler = EndpointSampler(
+            *endpoint, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
+        )
+        return o, sampler, sampler.chat
     model = model_location(model)
     with _model_folder(model) as folder:
         run = read_run_config(folder)
-        base = eval_defaults(run)
-        given = {k: v for k, v in (flags or {}).items() if v is not None}
-        unknown = set(given) - (base.keys() - {"settings", "options"})
-        if unknown:
-            raise ValueError(f"unknown play options {sorted(unknown)}")
-        if run is not None and log is not None:
-            for key, value in given.items():
-                if value != base[key]:
-                    log(f"overriding the run's {key}={base[key]!r} with {value!r}")
-        o = base | given | ({"env": columns[0]} if columns else {})
-        received = run is not None and received_problem(model, run, o, set(given), columns)
-        if received:
-            raise ValueError(received)
-        if problem := judge_problem(o["judge"]):
-            raise ValueError(f"--judge: {problem}")
-        # A bad name, size or option fails before the model loads.
-        make_env(o["env"], o["setting"], o["size"], o["options"].get(o["env"]))
-        o["settings"] = o["settings"].with_rollout(
-            max_response_tokens=o["max_response_tokens"], judge=o["judge"]
-        )
+        o = _options(run, flags, log, columns, model)
         model_cfg, device = _policy_config(folder, run)
         policy, tokenizer = load_policy(model_cfg, device)
     sampler = TorchSampler(
         policy, tokenizer, temperature=o["temperature"], top_p=o["top_p"], seed=o["seed"]
     )
     return o, sampler, ChatFormat.for_model(tokenizer, model_cfg)
+
+
+def _options(
+    run: Config | None,
+    flags: dict | None,
+    log: Log | None,
+    columns: Sequence[str],
+    model: Path | None = None,
+) -> dict:
+    """The play options of a model whose folder holds the run config `run` (None: another
+    model), checked as `load_player` says, before any model loads."""
+    base = eval_defaults(run)
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    unknown = set(given) - (base.keys() - {"settings", "options"})
+    if unknown:
+        raise ValueError(f"unknown play options {sorted(unknown)}")
+    if run is not None and log is not None:
+        for key, value in given.items():
+            if value != base[key]:
+                log(f"overriding the run's {key}={base[key]!r} with {value!r}")
+    o = base | given | ({"env": columns[0]} if columns else {})
+    received = run is not None and received_problem(model, run, o, set(given), columns)
+    if received:
+        raise ValueError(received)
+    if problem := judge_problem(o["judge"]):
+        raise ValueError(f"--judge: {problem}")
+    # A bad name, size or option fails before the model loads.
+    make_env(o["env"], o["setting"], o["size"], o["options"].get(o["env"]))
+    o["settings"] = o["settings"].with_rollout(
+        max_response_tokens=o["max_response_tokens"], judge=o["judge"]
+    )
+    return o
 
 
 def received_problem(
@@ -163,7 +195,10 @@ def _policy_config(folder: Path, run) -> tuple[ModelConfig, str]:
 def check_model_folder(model: str | Path) -> None:
     """Raise ModelFolderError where `model`, a model folder, could not be played: its config.json
     against its tokenizer and this machine's memory, as load_player will load it (a run
-    directory's own checkpoint is left to its export)."""
+    directory's own checkpoint is left to its export); an API model's spec is only read (its
+    endpoint answers when it plays). ValueError for a malformed spec."""
+    if parse_player_spec(str(model)) is not None:
+        return
     model = model_location(model)
     if is_run_dir(model):
         return
@@ -172,13 +207,24 @@ def check_model_folder(model: str | Path) -> None:
 
 
 def model_labels(models: Sequence[str | Path]) -> list[str]:
-    """Each model's folder name, with as many parent folders as it takes to tell them apart."""
-    parts = [Path(m).resolve().parts for m in models]
-    for depth in range(1, max(map(len, parts), default=0) + 1):
-        labels = ["/".join(p[-depth:]) for p in parts]
-        if len(set(labels)) == len(labels):
-            return labels
-    raise ValueError(f"a model is given twice: {', '.join(map(str, models))}")
+    """Each model's folder name, with as many parent folders as it takes to tell them apart; an
+    API model's `MODEL@host` (cod_fast.rollout.endpoint_player.player_label)."""
+    endpoints = [parse_player_spec(str(m)) for m in models]
+    names = [None if e is None else player_label(*e) for e in endpoints]
+    folders = [Path(m).resolve().parts for m, e in zip(models, endpoints, strict=True) if not e]
+    for depth in range(1, max(map(len, folders), default=1) + 1):
+        labels = iter(["/".join(p[-depth:]) for p in folders])
+        every = [name or next(labels) for name in names]
+        if len(set(every)) == len(every):
+            return every
+    raise ValueError(f"a model is given twice: {', '.join(map(player_shown, models))}")
+
+
+def player_shown(model: str | Path) -> str:
+    """`model` as matrix.json and the log show it: an API model's spec without credentials or
+    query, a folder as given."""
+    endpoint = parse_player_spec(str(model))
+    return str(model) if endpoint is None else player_spec_shown(*endpoint)
 
 
 def _cell(model: str, env: str, strategy: str, summary: PositionSummary) -> dict:
@@ -238,7 +284,7 @@ def evaluate_matrix(
     rows, cells = [], []
     for i, (label, model) in enumerate(zip(labels, models, strict=True)):
         if log is not None:
-            log(f"model {i + 1}/{len(labels)}: {label} ({model})")
+            log(f"model {i + 1}/{len(labels)}: {label} ({player_shown(model)})")
         o, sampler, chat = load_player(model, flags, log, columns=envs)
         if o["packs"] < 1:  # a run may evaluate no packs (rollout.eval_packs=0)
             raise ValueError(f"{label} would play {o['packs']} packs; give packs >= 1")
@@ -264,7 +310,7 @@ def evaluate_matrix(
                 cells.append(_cell(label, env, strategy, summary))
         played = {k: v for k, v in o.items() if k not in ("env", "settings", "options")}
         settings = dataclasses.asdict(o["settings"])
-        rows.append({"label": label, "path": str(model), **played, "settings": settings})
+        rows.append({"label": label, "path": player_shown(model), **played, "settings": settings})
     matrix = {"models": rows, "envs": list(envs), "strategies": list(strategies), "cells": cells}
     if out_dir is not None:
         out = Path(out_dir)

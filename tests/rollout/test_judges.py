@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain, repeat
 
 import pytest
@@ -33,6 +32,7 @@ from cod_fast.rollout.judge_clients import (
     judge_problem,
     make_judge,
 )
+from tests.endpoint_server import Server, completion, serving
 from tests.rollout_helpers import save_tiny_qwen3
 
 QUERY = JudgeQuery(
@@ -46,13 +46,6 @@ QUERY = JudgeQuery(
 KEY = "sk-test-7f3a9c"
 
 
-def completion(content) -> bytes:
-    """A chat-completions reply whose first choice says `content`."""
-    return json.dumps(
-        {"choices": [{"message": {"role": "assistant", "content": content}}]}
-    ).encode()
-
-
 def one_line_error(judge: Judge, match: str) -> str:
     """The JudgeError `judge` raises on QUERY: one line that contains `match`."""
     with pytest.raises(JudgeError) as error:
@@ -64,64 +57,6 @@ def one_line_error(judge: Judge, match: str) -> str:
 
 
 # --- an OpenAI-compatible endpoint ----------------------------------------------------------------
-
-
-class Server:
-    """What the scripted endpoint answers (`status`, its `reason` phrase, extra `headers`,
-    `body`; `hang`: no answer until `release` is set) and the requests it received (method, path,
-    Authorization header, JSON body)."""
-
-    def __init__(self):
-        self.status, self.reason, self.headers = 200, None, {}
-        self.body, self.hang = completion("<score>0.8</score>"), False
-        self.release = threading.Event()
-        self.requests: list[dict] = []
-        self.url = ""
-
-
-class Handler(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:
-        server: Server = self.server.script
-        length = int(self.headers.get("Content-Length", 0))
-        body = json.loads(self.rfile.read(length)) if length else None
-        auth = self.headers.get("Authorization")
-        server.requests.append(
-            {"method": self.command, "path": self.path, "authorization": auth, "body": body}
-        )
-        if server.hang:
-            server.release.wait(5.0)  # far past any timeout a test sets; teardown cuts it short
-            return
-        self.send_response(server.status, server.reason)
-        for name, value in server.headers.items():
-            self.send_header(name, value)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(server.body)))
-        self.end_headers()
-        self.wfile.write(server.body)
-
-    do_GET = do_POST  # a client that follows a redirect may come back with a GET
-
-    def log_message(self, format, *args) -> None:  # the test output stays clean
-        pass
-
-
-@contextlib.contextmanager
-def serving(script: Server):
-    """A ThreadingHTTPServer on 127.0.0.1 (a free port) answering as `script` says, in a daemon
-    thread, shut down on leaving."""
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.script = script
-    # A short poll: shutdown() waits for the loop's next look at its flag.
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    script.url = f"http://127.0.0.1:{httpd.server_port}/v1"
-    try:
-        yield script
-    finally:
-        script.release.set()
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
 
 
 @pytest.fixture
