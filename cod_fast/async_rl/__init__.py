@@ -30,6 +30,7 @@ def start_roles(cfg: Config):
         timeout_s=runtime.dist_timeout_s,
         one_rank_mesh=master_dtype(cfg.model, cfg.train.master_dtype, device) != compute,
         rollout_ranks=runtime.rollout_ranks,
+        sequence_parallel=cfg.train.sequence_parallel,
     )
     groups = make_groups(runtime.rollout_ranks, runtime.dist_timeout_s, runtime.rollout_timeout_s)
     if ctx.role == "rollout":

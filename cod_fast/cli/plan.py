@@ -49,7 +49,8 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
 ) -> None:
     """Peak memory per GPU of each phase of a run, by component, from the model's config alone
-    (no weights are loaded), and the largest token budget, group size and model that fit."""
+    (no weights are loaded), the longest sequence a micro-batch holds, and the largest token
+    budget a GPU, group size and model that fit."""
     cfg = resolve_config(preset, config_file, overrides)
     if gpus < 1:
         refuse(ConfigError("--gpus", f"got {gpus}; give the number of GPUs of the run (>= 1)"))
@@ -74,6 +75,8 @@ def plan(
 
     try:
         result = plan_of(cfg)
+    except ConfigError as e:  # train.sequence_parallel against the GPUs or the model's heads
+        refuse(e)
     except ValueError as e:
         refuse(ConfigError("--gpus", str(e)))
     limits = _limits(cfg, plan_of) if memory is not None else {}
@@ -96,7 +99,8 @@ def _gpu_memory(gib: float | None) -> int | None:
 
 
 def _limits(cfg: Config, plan_of) -> dict:
-    """The largest token budget, group size and known model that fit, the rest as configured."""
+    """The largest token budget (a GPU's), group size and known model that fit, the rest as
+    configured; a known model whose heads train.sequence_parallel does not split is left out."""
     rollout = cfg.rollout
     budget = largest_fitting(
         lambda t: plan_of(with_setting(cfg, "train", token_budget=t)), 256, 1 << 22
@@ -106,11 +110,7 @@ def _limits(cfg: Config, plan_of) -> dict:
         if cfg.train.steps
         else None
     )
-    models = [
-        name
-        for name in KNOWN_CONFIGS
-        if plan_of(cfg, model_shape(ModelConfig(name_or_path=name))).fits()
-    ]
+    models = [name for name in KNOWN_CONFIGS if _fits(plan_of, cfg, name)]
     return {
         "train.token_budget": budget,
         "rollout.group_size": group,
@@ -120,6 +120,13 @@ def _limits(cfg: Config, plan_of) -> dict:
             "rollout.group_size": rollout.group_size,
         },
     }
+
+
+def _fits(plan_of, cfg: Config, name: str) -> bool:
+    try:
+        return bool(plan_of(cfg, model_shape(ModelConfig(name_or_path=name))).fits())
+    except ConfigError:  # train.sequence_parallel does not split its attention heads
+        return False
 
 
 def _why_not(result: MemoryPlan) -> str | None:
@@ -135,6 +142,8 @@ def _as_dict(result: MemoryPlan, sampler: str, limits: dict) -> dict:
     return {
         "model": result.model,
         "gpus": result.gpus,
+        "sequence_parallel": result.sequence_parallel,
+        "longest_sequence": result.longest_sequence,
         "sampler": sampler,
         "gpu_memory": result.memory,
         "fits": result.fits(),
@@ -153,7 +162,11 @@ def _as_dict(result: MemoryPlan, sampler: str, limits: dict) -> dict:
 
 def _show(result: MemoryPlan, sampler: str, limits: dict) -> None:
     console = Console()
-    table = Table(title=f"{result.model} on {result.gpus} GPU(s), {sampler} sampler: GiB per GPU")
+    sp = result.sequence_parallel
+    where = f"{result.model} on {result.gpus} GPU(s)"
+    if sp > 1:
+        where += f", sequence parallel over {sp}"
+    table = Table(title=f"{where}, {sampler} sampler: GiB per GPU")
     table.add_column("component")
     for phase in result.phases:
         table.add_column(phase.name, justify="right")
@@ -166,6 +179,8 @@ def _show(result: MemoryPlan, sampler: str, limits: dict) -> None:
         table.add_row(name, *cells)
     table.add_row("total", *(f"{p.bytes / GIB:.2f}" for p in result.phases), style="bold")
     console.print(table)
+    split = f" (train.token_budget x train.sequence_parallel={sp})" if sp > 1 else ""
+    console.print(f"longest sequence: {result.longest_sequence:,} tokens{split}")
     peak = result.peak
     if result.memory is None:
         console.print(f"peak: {peak.name}, {peak.bytes / GIB:.2f} GiB a GPU (give --gpu-memory)")
@@ -181,6 +196,10 @@ def _show(result: MemoryPlan, sampler: str, limits: dict) -> None:
         for key in ("train.token_budget", "rollout.group_size", "model"):
             if key in limits and limits[key] is not None:
                 current = f" (now {now[key]})" if key in now else ""
+                if key == "train.token_budget":
+                    current = f" a GPU{current}"
+                    if sp > 1:
+                        current += f": sequences of up to {limits[key] * sp:,} tokens"
                 console.print(f"largest that fits: {key}={limits[key]}{current}")
     for term in result.host:
         console.print(

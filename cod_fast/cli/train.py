@@ -122,9 +122,16 @@ def _train_run(cfg: Config, resume: bool, console: Console, *, last: bool = True
             trainer = Trainer(cfg)
         if trainer.ctx.is_main:
             console.print(Text(dump_yaml(cfg)), highlight=False)
+            ctx, budget = trainer.ctx, cfg.train.token_budget
+            split = (
+                f" in sequence-parallel groups of {ctx.sequence_parallel} (micro-batches up to "
+                f"{budget * ctx.sequence_parallel:,} tokens, {budget:,} a rank)"
+                if ctx.sequence_parallel > 1
+                else ""
+            )
             console.print(
                 f"run dir {cfg.runtime.run_dir}; device {trainer.device}; "
-                f"{trainer.ctx.world_size} process(es); sampler {trainer.samplers.kind} "
+                f"{ctx.world_size} process(es){split}; sampler {trainer.samplers.kind} "
                 f"({trainer.samplers.reason})"
             )
         if trainer.ctx.is_main:

@@ -45,7 +45,14 @@ class TrainConfig(_Config):
     grad_clip: float = 1.0
     """Maximum global gradient norm."""
     token_budget: int = 16384
-    """Tokens per packed micro-batch; a longer sequence is an error."""
+    """Tokens per packed micro-batch on each GPU; a longer sequence is an error. With
+    sequence_parallel N a micro-batch holds up to N x token_budget tokens, token_budget on
+    each of its N ranks."""
+    sequence_parallel: int = 1
+    """Ulysses sequence parallelism: each packed micro-batch is split over N consecutive
+    trainer ranks, each holding 1/N of its tokens, and attention trades sequence for heads
+    with an all-to-all (docs/gpu.md, "Sequence parallelism"). N divides the trainer ranks
+    (and, with HSDP, each replica's) and the model's attention heads; 1: off."""
     share_prefix: bool = True
     """Pack each micro-batch as its sequences' prefix tree: a prefix that several sequences share
     (the system text, a group's first prompt, equal responses) is run through the model once
@@ -138,6 +145,8 @@ class TrainConfig(_Config):
         self._at_most(64, "epochs")
         self._above(0, "lr", "grad_clip", "warm_start_lr")
         self._at_least(1, "token_budget", "mini_batches", "warm_start_packs", "max_skipped_steps")
+        self._at_least(1, "sequence_parallel")
+        self._at_most(64, "sequence_parallel")
         # Over 100x the qwen3-1.7b preset's 32768 tokens and 16 packs per step.
         self._at_most(2**22, "token_budget")
         self._at_most(4096, "warm_start_packs")
@@ -312,6 +321,13 @@ class Config(_Config):
                 "algo.teachers",
                 "got none with algo.loss.policy='opd'; expected a teacher model folder per "
                 f"environment, e.g. algo.teachers={{{names[0]}: path/to/teacher}}",
+            )
+        if teachers and self.train.sequence_parallel > 1:
+            raise ConfigError(
+                "train.sequence_parallel",
+                f"got {self.train.sequence_parallel} with algo.teachers; on-policy distillation "
+                "scores each rank's sequences with whole teacher models, without sequence "
+                "parallelism: set train.sequence_parallel=1",
             )
         if teachers and not opd:
             raise ConfigError(

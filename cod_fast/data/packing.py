@@ -19,6 +19,7 @@ import itertools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from cod_fast.config import LossConfig
 from cod_fast.data.prefix_tree import Tree, build_tree, common_prefix, flat_tree
 from cod_fast.data.records import Episode, EpisodeKind
 from cod_fast.ops.linear_loss import TokenPairs
+
+if TYPE_CHECKING:
+    from cod_fast.data.sequence_shard import SequenceShard
 
 
 class SequenceTooLongError(ValueError, CodFastError):
@@ -197,6 +201,9 @@ class MicroBatch:
     """The largest target id (-1 when there is none), found while packing so that the loss need
     not read the targets back from the device to check them against the vocabulary; None:
     unknown."""
+    shard: SequenceShard | None = None
+    """Under sequence parallelism, this rank's share of the micro-batch
+    (cod_fast.data.sequence_shard); None: the rank runs all of it."""
 
     @property
     def num_tokens(self) -> int:
@@ -230,6 +237,8 @@ class MicroBatch:
         for k, v in values.items():  # tensors on another device than the host's
             if isinstance(v, torch.Tensor) and k not in host:
                 values[k] = v.to(device, non_blocking=non_blocking)
+        if self.shard is not None:
+            values["shard"] = self.shard.to(device, non_blocking=non_blocking)
         return MicroBatch(**values)
 
 
@@ -421,8 +430,9 @@ def _check_lengths(lengths: list[int], token_budget: int, world_size: int) -> No
     for i, n in enumerate(lengths):
         if n > token_budget:
             raise SequenceTooLongError(
-                f"sequence {i} has {n} tokens but train.token_budget is {token_budget}; raise "
-                "train.token_budget or lower rollout.max_response_tokens (or the prompt length)"
+                f"sequence {i} has {n} tokens but a micro-batch holds {token_budget} "
+                "(train.token_budget x train.sequence_parallel); raise either, or lower "
+                "rollout.max_response_tokens (or the prompt length)"
             )
         if n < 1:
             raise ValueError(f"sequence {i} has length {n}; sequences must be non-empty")

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cod_fast.config import ConfigError
 from cod_fast.distributed import comm_trace
+from cod_fast.ops.sequence_parallel import SequenceGroup
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -45,6 +46,25 @@ class DistContext:
     """`trainer`, or `rollout` for a rollout worker (cod_fast.async_rl)."""
     rollout_ranks: int = 0
     """The run's rollout workers, the last global ranks (runtime.rollout_ranks)."""
+    sequence_group: SequenceGroup | None = None
+    """Ulysses sequence parallelism (train.sequence_parallel > 1): this trainer's group of
+    consecutive trainer ranks that run each micro-batch together; None: off."""
+
+    @property
+    def sequence_parallel(self) -> int:
+        """Ranks per sequence-parallel group (1: off)."""
+        return 1 if self.sequence_group is None else self.sequence_group.size
+
+    @property
+    def data_rank(self) -> int:
+        """This trainer's data-parallel rank: the ranks of a sequence-parallel group share one
+        (they train the same micro-batches)."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel ranks: the trainers over the sequence-parallel degree."""
+        return self.world_size // self.sequence_parallel
 
     @property
     def is_main(self) -> bool:
@@ -94,6 +114,7 @@ def init_distributed(
     timeout_s: float | None = None,
     one_rank_mesh: bool = False,
     rollout_ranks: int = 0,
+    sequence_parallel: int = 1,
 ) -> DistContext:
     """This process's place in the run: under torchrun join the process group and build the
     mesh; otherwise one process, with no process group unless `one_rank_mesh` asks for a mesh
@@ -101,7 +122,8 @@ def init_distributed(
     mixed precision shards over. `timeout_s` bounds every collective's wait (torch's default
     when None). With `rollout_ranks` R > 0 the last R ranks are rollout workers: the trainers'
     context has a group and a mesh of the first ranks only (every rank takes part in making
-    them, as torch requires), a worker's has role `rollout`."""
+    them, as torch requires), a worker's has role `rollout`. With `sequence_parallel` N > 1
+    every N consecutive trainer ranks form a sequence-parallel group (`sequence_group`)."""
     dev = resolve_device(device)
     comm_trace.install()  # COD_FAST_COMM_TRACE: record this process's traffic (comm_check)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -113,9 +135,11 @@ def init_distributed(
             "first, then rollout workers)",
         )
     if world_size == 1 and not one_rank_mesh:
+        check_sequence_parallel(sequence_parallel, 1, 1)
         return DistContext(rank=0, world_size=1, local_rank=0, device=dev, mesh=None)
     trainers = world_size - rollout_ranks
     shape, names = mesh_layout(trainers, hsdp_replicate)
+    check_sequence_parallel(sequence_parallel, shape[-1], trainers)
     rank, local_rank = 0, 0
     if world_size > 1:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -131,10 +155,16 @@ def init_distributed(
             options.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", **options)
         atexit.register(_release_groups)
+    sequence_group = _sequence_group(rank, trainers, sequence_parallel)
     if not rollout_ranks:
         mesh = init_device_mesh(dev.type, shape, mesh_dim_names=names)
         return DistContext(
-            rank=rank, world_size=world_size, local_rank=local_rank, device=dev, mesh=mesh
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            device=dev,
+            mesh=mesh,
+            sequence_group=sequence_group,
         )
     group = dist.new_group(list(range(trainers)))
     mesh = None
@@ -159,7 +189,33 @@ def init_distributed(
         mesh=mesh,
         group=group,
         rollout_ranks=rollout_ranks,
+        sequence_group=sequence_group,
     )
+
+
+def check_sequence_parallel(size: int, shard_ranks: int, trainers: int) -> None:
+    """A ConfigError unless `size` ranks per sequence-parallel group tile the trainers, inside
+    each FSDP shard group of `shard_ranks` (HSDP's replicas hold whole groups)."""
+    if size > 1 and shard_ranks % size:
+        where = f"{trainers} trainer rank(s)"
+        if shard_ranks != trainers:
+            where += f" in replicas of {shard_ranks} (runtime.hsdp_replicate)"
+        raise ConfigError(
+            "train.sequence_parallel",
+            f"got {size}, which does not divide the {where}; set it to a divisor of "
+            f"{shard_ranks}, or launch a multiple of {size} trainer ranks under torchrun",
+        )
+
+
+def _sequence_group(rank: int, trainers: int, size: int) -> SequenceGroup | None:
+    """This rank's group of `size` consecutive trainer ranks (None for size 1 or a rollout
+    worker). Every rank makes every group, as torch.distributed.new_group requires."""
+    if size == 1:
+        return None
+    groups = [dist.new_group(list(range(s, s + size))) for s in range(0, trainers, size)]
+    if rank >= trainers:
+        return None
+    return SequenceGroup(groups[rank // size], rank % size, size)
 
 
 def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:

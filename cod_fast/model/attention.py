@@ -39,6 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from cod_fast.config import ConfigError
+from cod_fast.ops.sequence_parallel import SequenceGroup, heads_to_seq, seq_to_heads
 from cod_fast.ops.varlen_attention import BlockLengths, varlen_attention
 
 KERNELS = {"flash_attn": "cod_fa_varlen", "varlen_attn": "cod_torch_varlen", "sdpa": "cod_per_seq"}
@@ -93,6 +94,7 @@ def packed_attention_kwargs(
     max_seqlen_k: int = 0,
     seqlens: tuple[int, ...] | None = None,
     seqlens_k: tuple[int, ...] | None = None,
+    sequence_group: SequenceGroup | None = None,
 ) -> dict:
     """The keyword arguments that make a decoder forward attend per sequence (the names of
     transformers' FlashAttentionKwargs, so its own flash-attention path reads them too).
@@ -108,6 +110,10 @@ def packed_attention_kwargs(
     `seqlens` (and `seqlens_k` with kv_index): the blocks' lengths on the host, as packed
     (`MicroBatch.seqlens`). The per-sequence kernel cuts the row by them; without them it reads
     offsets that are on a GPU back in every layer, a host sync each time.
+
+    `sequence_group` (Ulysses sequence parallelism): the decoder holds this rank's 1/N of the
+    row's tokens, and the offsets describe the whole row; each attention trades tokens for heads
+    before its kernel and back after it (cod_fast.ops.sequence_parallel).
     """
     cu = cu_seqlens.to(torch.int32)
     shared = kv_index is not None
@@ -125,6 +131,8 @@ def packed_attention_kwargs(
         kwargs["cod_kv_index"] = kv_index.to(cu.device)
     if lengths is not None:
         kwargs["cod_block_lengths"] = lengths
+    if sequence_group is not None:
+        kwargs["cod_sequence_group"] = sequence_group
     return kwargs
 
 
@@ -194,6 +202,9 @@ def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kw
     cu_k = kwargs.get("cu_seq_lens_k")
     cu_k = cu_q if cu_k is None else cu_k.to(device=q.device, dtype=torch.int32)
     kv_index = kwargs.get("cod_kv_index")  # shared prefixes: the key rows of each block
+    sp = kwargs.get("cod_sequence_group")  # Ulysses: this rank holds 1/N of the row's tokens
+    if sp is not None:
+        q, k, v = _heads_of_whole_row(q, k, v, sp)
     if kernel == "sdpa":
         lengths = kwargs.get("cod_block_lengths")  # None: read from cu_q and cu_k
         out = varlen_attention(q, k, v, cu_q, cu_k, kv_index, scaling, lengths=lengths)
@@ -204,7 +215,19 @@ def _packed_forward(kernel: str, module, query, key, value, attention_mask, **kw
         max_q = int(kwargs["max_length_q"])
         lengths = max_q, int(kwargs.get("max_length_k") or max_q)
         out = run(q, k, v, cu_q, cu_k, *lengths, scaling)
+    if sp is not None:
+        (out,) = heads_to_seq(sp, out)
     return out[None], None
+
+
+def _heads_of_whole_row(q, k, v, sp: SequenceGroup):
+    """This rank's tokens of every head -> every token of its 1/N of the heads. Key/value heads
+    that do not split over N are repeated to the query heads first, so each rank still holds
+    the key head of each of its query heads (query head j reads key head j // (Hq / Hkv))."""
+    if k.shape[1] % sp.size:
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return seq_to_heads(sp, q, k, v)  # one all-to-all for the three
 
 
 for _kernel, _name in KERNELS.items():

@@ -36,6 +36,7 @@ from cod_fast.data.packing import MicroBatch
 from cod_fast.model.attention import KERNELS, packed_attention_kwargs, resolve_attn_impl
 from cod_fast.model.lean import make_lean
 from cod_fast.model.tokenizer import char_tokenizer
+from cod_fast.ops.sequence_parallel import SequenceGroup
 
 BUILTIN_TINY = "builtin:tiny-qwen3"
 
@@ -359,33 +360,46 @@ def block_causal_mask(
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None].to(device)
 
 
-def packed_hidden_states(model, mb: MicroBatch) -> torch.Tensor:
+def packed_hidden_states(
+    model, mb: MicroBatch, sequence_group: SequenceGroup | None = None
+) -> torch.Tensor:
     """Final hidden states [T, H] of a packed micro-batch; sequences never see each other.
 
     With a cod_fast.model.attention kernel the decoder attends per sequence (tree node) from
     cu_seqlens (and the key blocks of the shared-prefix layout); any other attention
     implementation gets the explicit [T, T] mask (recent transformers also infer packing from
     restarting position_ids, but not every version or implementation does, nor trees).
+
+    With `sequence_group` the decoder runs this rank's share of the row (`mb.shard`, see
+    cod_fast.data.sequence_shard) and returns its [T/N, H] states; attention sees the whole row.
     """
     param = next(model.parameters())
-    if model.config._attn_implementation in KERNELS.values():
-        cu = mb.cu_seqlens.to(param.device)  # the key blocks follow it to its device
+    packed = model.config._attn_implementation in KERNELS.values()
+    rows = mb if sequence_group is None else mb.shard
+    if rows is None or (sequence_group is not None and not packed):
+        raise ValueError(
+            "sequence parallelism needs the micro-batch's shard (with_sequence_shard) and a "
+            "packed attention kernel (model.attn_impl: sdpa, varlen_attn or flash_attn)"
+        )
+    if packed:
+        cu = rows.cu_seqlens.to(param.device)  # the key blocks follow it to its device
         attention = packed_attention_kwargs(
             cu,
-            mb.max_seqlen,
-            mb.kv_index,
-            mb.cu_seqlens_k,
-            mb.max_seqlen_k,
-            seqlens=mb.seqlens,
-            seqlens_k=mb.seqlens_k,
+            rows.max_seqlen,
+            rows.kv_index,
+            rows.cu_seqlens_k,
+            rows.max_seqlen_k,
+            seqlens=rows.seqlens,
+            seqlens_k=rows.seqlens_k,
+            sequence_group=sequence_group,
         )
     else:
         tree = None if mb.kv_index is None else (mb.kv_index, mb.cu_seqlens_k, mb.position_ids)
         mask = block_causal_mask(mb.cu_seqlens, param.dtype, param.device, tree)
         attention = {"attention_mask": mask}
     out = model.get_decoder()(
-        input_ids=mb.input_ids[None].to(param.device),
-        position_ids=mb.position_ids[None].to(param.device),
+        input_ids=rows.input_ids[None].to(param.device),
+        position_ids=rows.position_ids[None].to(param.device),
         use_cache=False,
         **attention,
     )

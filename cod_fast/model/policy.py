@@ -22,15 +22,26 @@ from cod_fast.data.packing import MicroBatch
 from cod_fast.model.loading import lm_head_weight, packed_hidden_states
 from cod_fast.ops import PolicyLossOutput, linear_logprobs, linear_policy_loss
 from cod_fast.ops.linear_loss import distinct_pairs
+from cod_fast.ops.loss_terms import LossInputs
+from cod_fast.ops.policy_loss import policy_loss_from_logp
+from cod_fast.ops.sequence_parallel import SequenceGroup, sharded_logprobs
 
 
 class Policy(torch.nn.Module):
     """Wraps a Hugging Face causal LM; `impl` picks the kernel implementation (None: auto)."""
 
-    def __init__(self, model: torch.nn.Module, impl: str | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        impl: str | None = None,
+        sequence_group: SequenceGroup | None = None,
+    ):
         super().__init__()
         self.model = model
         self.impl = impl
+        self.sequence_group = sequence_group
+        """Ulysses sequence parallelism (train.sequence_parallel > 1): each micro-batch carries
+        this rank's shard (cod_fast.data.sequence_shard) and the group runs it together."""
 
     def forward(
         self,
@@ -43,6 +54,8 @@ class Policy(torch.nn.Module):
         """`loss`: the policy loss of the micro-batch (docs/concepts.md section 4) with the step's
         `denominator`; `logprobs`: float32 log-probs [N] of its targets at the loss's temperature
         (old-policy recompute, the reference model)."""
+        if self.sequence_group is not None:
+            return self._sharded(mb, loss_config, denominator, mode)
         states = packed_hidden_states(self.model, mb)
         weight = lm_head_weight(self.model)
         _check_vocabulary(mb, weight.shape[0])
@@ -85,6 +98,54 @@ class Policy(torch.nn.Module):
             num_segments=mb.num_segments,
             check_targets=mb.max_target is None,
         )
+
+    def _sharded(
+        self, mb: MicroBatch, loss_config: LossConfig, denominator: float | None, mode: str
+    ) -> PolicyLossOutput | torch.Tensor:
+        """`forward` over this rank's shard of `mb`: the decoder on its tokens, its trainable
+        tokens scored, every rank's log-probs (and entropies) gathered in token order, and the
+        whole micro-batch's loss from them on every rank of the group (see
+        cod_fast.ops.sequence_parallel). Repeated (row, target) pairs are scored per token."""
+        shard, group = mb.shard, self.sequence_group
+        if shard is None or shard.size != group.size or shard.rank != group.rank:
+            raise ValueError(
+                f"rank {group.rank} of a sequence-parallel group of {group.size} needs the "
+                "micro-batch's shard for that rank (cod_fast.data.sequence_shard)"
+            )
+        states = packed_hidden_states(self.model, mb, group)
+        weight = lm_head_weight(self.model)
+        _check_vocabulary(mb, weight.shape[0])
+        scored = sharded_logprobs(
+            states[shard.rows],
+            weight,
+            mb.targets[shard.tokens],
+            shard.counts,
+            shard.order,
+            group,
+            temperature=loss_config.temperature,
+            impl=self.impl,
+            return_entropy=mode == "loss",
+            check_targets=mb.max_target is None,
+        )
+        if mode == "logprobs":
+            return scored
+        logp, entropy = scored
+        inputs = LossInputs(
+            mb.advantages,
+            mb.segment_ids,
+            old_logp=mb.old_logp,
+            rollout_logp=mb.rollout_logp,
+            ref_logp=mb.ref_logp,
+            teacher_logp=mb.teacher_logp,
+            denominator=denominator,
+            num_segments=mb.num_segments,
+            entropy_coef=mb.entropy_coef,
+        )
+        inputs.check(mb.num_trainable)
+        loss, metrics = policy_loss_from_logp(
+            logp, inputs, loss_config=loss_config, entropy=entropy
+        )
+        return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
 
 
 def _check_vocabulary(mb: MicroBatch, vocab: int) -> None:

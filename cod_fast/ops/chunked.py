@@ -191,6 +191,10 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         grad_h, grad_w = _grad_buffers(ctx.needs_input_grad[:2], hidden, weight, gemms.dtype)
         if grad_logp is None:
             grad_logp = torch.zeros_like(lse)
+        # The row kernels read dense vectors; a caller that stacked logp and entropy (the
+        # sequence-parallel gather) hands back strided columns.
+        grad_logp = grad_logp.contiguous()
+        grad_entropy = None if grad_entropy is None else grad_entropy.contiguous()
         for start in range(0, targets.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             z = gemms.logits(rows)

@@ -322,7 +322,7 @@ class Checkpointer:
             dtype=self.compute_dtype,
             place="cpu" if self.ctx.distributed else None,
         )
-        reference = Policy(model, self.policy.impl)
+        reference = Policy(model, self.policy.impl, self.policy.sequence_group)
         reference = shard_policy(reference, self.ctx, frozen=True)  # one process: unsharded
         load_model_state(reference, state, self.ctx)
         reference.eval().requires_grad_(False)

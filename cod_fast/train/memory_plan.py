@@ -7,6 +7,11 @@ the config and the model's shape (counted on the meta device: no weights), so a 
 Qwen3-32B on 8 GPUs answers in a second on a laptop; `cod-fast plan` prints it, and the
 preflight refuses a run on a GPU whose plan does not fit (`check_fits`).
 
+Under sequence parallelism (train.sequence_parallel N) a rank's activations and loss chunks are
+those of its own train.token_budget tokens, while a micro-batch holds N times as many: every rank
+of the group keeps the whole micro-batch's per-token loss vectors, and attention's all-to-alls
+add their buffers (`sequence_parallel_terms`).
+
 Where the plan is an estimate it says so: the prompt length of a rollout (`prompt_tokens`,
 default the hint cap plus one response), the CUDA allocator's rounding and fragmentation
 (`HEADROOM` of the device is kept free), and the CUDA context (outside torch's count).
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cod_fast.config import Config, ConfigError
+from cod_fast.distributed.context import check_sequence_parallel
 from cod_fast.model.loading import master_dtype, resolve_dtype
 from cod_fast.model.shapes import ModelShape
 from cod_fast.train.memory_terms import (
@@ -31,6 +37,7 @@ from cod_fast.train.memory_terms import (
     loss_terms,
     master_terms,
     prefill_terms,
+    sequence_parallel_terms,
     teacher_host_terms,
     torch_sampler_terms,
     training_weight_terms,
@@ -74,6 +81,10 @@ class MemoryPlan:
     """vLLM's (need, share) with a device size given: its whole 16-bit weights (the colocated
     engine runs without tensor parallelism) and one sequence's KV cache, against
     rollout.vllm_gpu_memory_utilization of the device; vLLM refuses to start below it."""
+    sequence_parallel: int = 1
+    """GPUs that share each micro-batch (train.sequence_parallel)."""
+    longest_sequence: int = 0
+    """The most tokens one sequence may have: train.token_budget x train.sequence_parallel."""
 
     @property
     def peak(self) -> Phase:
@@ -103,6 +114,31 @@ def layout_for(cfg: Config, gpus: int, device: torch.device) -> Layout:
     return Layout(shards=shards, sharded=sharded, compute=compute, master=master, device=device)
 
 
+def check_sequence_degree(
+    size: int, heads: int, model: str, trainers: int, shard_ranks: int
+) -> None:
+    """A ConfigError on train.sequence_parallel unless `size` ranks per group tile the
+    `trainers` (inside each FSDP shard group of `shard_ranks`: HSDP's replicas hold whole groups)
+    and split the model's `heads` attention heads (cod_fast.ops.sequence_parallel.split_heads
+    would refuse it only at the first forward)."""
+    check_sequence_parallel(size, shard_ranks, trainers)
+    if heads % size:
+        both = math.gcd(heads, shard_ranks)
+        works = ", ".join(str(n) for n in range(2, both + 1) if both % n == 0)
+        fix = (
+            f"set it to {works} (divisors of the heads and of the {shard_ranks} trainer ranks) "
+            "or 1 (off)"
+            if works
+            else f"set it to 1 (off): no degree above 1 divides both the heads and the "
+            f"{shard_ranks} trainer ranks"
+        )
+        raise ConfigError(
+            "train.sequence_parallel",
+            f"got {size}, which does not divide the {heads} attention heads of {model} (each "
+            f"rank of a group attends with 1/N of them); {fix}",
+        )
+
+
 def default_prompt_tokens(cfg: Config) -> int:
     """A rollout's longest prompt when the caller does not know it: the hint cap plus one
     response (an update episode reads the hint and the last attempt), within the token budget."""
@@ -125,7 +161,9 @@ def plan_memory(
     """The plan of `cfg` for `shape` on one of `gpus` devices of `memory` bytes each.
     `sampler`: the run's sampler kind (cod_fast.rollout.choice.choose_sampler); `teachers`:
     the shapes of algo.teachers' models; `trainable_share`: the share of a micro-batch's tokens
-    the loss trains on (responses; 1.0, every token, is the bound a refusal uses)."""
+    the loss trains on (responses; 1.0, every token, is the bound a refusal uses). A
+    train.sequence_parallel that does not divide the trainer GPUs or the model's attention heads
+    is a ConfigError (a ValueError) naming it and the degrees that work."""
     if gpus < 1 or gpus <= cfg.runtime.rollout_ranks:
         raise ValueError(
             f"gpus={gpus}: a plan needs at least one trainer GPU beside runtime.rollout_ranks="
@@ -133,23 +171,29 @@ def plan_memory(
         )
     dev = torch.device(device)
     layout = layout_for(cfg, gpus, dev)
+    trainers = gpus - cfg.runtime.rollout_ranks
+    sp = cfg.train.sequence_parallel
+    check_sequence_degree(sp, shape.heads, shape.name, trainers, layout.shards)
     prompt = default_prompt_tokens(cfg) if prompt_tokens is None else prompt_tokens
     model, cb = cfg.model, layout.compute.itemsize
-    tokens = cfg.train.token_budget
+    tokens = cfg.train.token_budget  # a GPU's: its share of a sequence-parallel micro-batch
     rows = max(1, math.ceil(trainable_share * tokens))
     stepped = master_terms(shape, layout, optimizer=True)
+    ckpt = model.gradient_checkpointing
     train = (
         stepped
         + training_weight_terms(shape, layout)
-        + activation_terms(shape, tokens, cb, model.lean_activations, model.gradient_checkpointing)
+        + activation_terms(shape, tokens, cb, model.lean_activations, ckpt)
         + loss_terms(shape, rows, dev, cb)
     )
+    if sp > 1:
+        whole_rows = max(1, math.ceil(trainable_share * tokens * sp))
+        train += sequence_parallel_terms(shape, tokens, sp, whole_rows, cb, ckpt)
     own_copy = layout.sharded and sampler == "torch"
     copy = [Term("sampler weights", shape.params * cb, "the torch sampler's whole copy")]
     asleep = copy if own_copy else []
     kl = cfg.algo.loss.kl is not None and cfg.algo.loss.beta > 0
     reference = _reference_terms(shape, layout) if kl else []
-    trainers = gpus - cfg.runtime.rollout_ranks
     rollout = cfg.rollout
     members = math.ceil(rollout.packs_per_step / trainers) * rollout.group_size
     phases = [Phase("model load", _load_terms(shape, layout, layout.master.itemsize) + asleep)]
@@ -185,6 +229,12 @@ def plan_memory(
         f"rollout prompts counted as {prompt} tokens (--prompt-tokens)",
         f"{HEADROOM:.0%} of each GPU kept free for the allocator; the CUDA context is not counted",
     ]
+    if sp > 1:
+        notes.insert(
+            0,
+            f"micro-batches of up to {tokens * sp:,} tokens over {sp} GPUs "
+            "(train.sequence_parallel)",
+        )
     per_node = min(gpus, GPUS_PER_NODE)
     sharded_format = trainers > 1 and cfg.runtime.checkpoint_format == "auto"
     size = layout.master.itemsize
@@ -197,7 +247,9 @@ def plan_memory(
     if sampler == "vllm" and memory is not None and cfg.train.steps + rollout.eval_packs:
         sequence = (prompt + rollout.max_response_tokens) * shape.kv_bytes_per_token(cb)
         engine = (shape.params * cb + sequence, int(rollout.vllm_gpu_memory_utilization * memory))
-    return MemoryPlan(shape.name, gpus, device, phases, memory, notes, host, engine)
+    return MemoryPlan(
+        shape.name, gpus, device, phases, memory, notes, host, engine, sp, tokens * sp
+    )
 
 
 def _load_terms(shape: ModelShape, layout: Layout, itemsize: int) -> list[Term]:
@@ -256,6 +308,9 @@ KNOBS = {
     "loss inputs": "train.token_budget",
     "loss chunks": "the COD_FAST_CHUNK_MIB variable or train.token_budget",
     "loss gradients": "train.token_budget",
+    "attention layouts": "train.token_budget (or model.gradient_checkpointing=true)",
+    "all-to-all buffers": "train.token_budget",
+    "loss vectors": "train.token_budget",
     "weights": "train.master_dtype=model (16-bit masters), or use more GPUs",
     "AdamW state": "train.master_dtype=model (16-bit AdamW state), or use more GPUs",
     "gradients": "train.master_dtype=model (16-bit gradients), or use more GPUs",

@@ -16,6 +16,10 @@ meta device, cod_fast.model.shapes) and the config, never a fitted constant:
   layer's activations exist again while it is recomputed.
 - The fused loss (cod_fast.ops.chunked): its float32 logits chunk and that chunk's gradient
   (`chunk_rows`), the float32 gradients of the LM head and of the hidden states.
+- Ulysses sequence parallelism (cod_fast.ops.sequence_parallel): a rank's activations and loss
+  chunks are those of its own 1/N of a micro-batch's tokens; on top of them, the attention
+  output kept in both layouts, the all-to-alls' buffers, and the whole micro-batch's per-token
+  loss vectors, which every rank of the group holds.
 - Samplers: the torch sampler's KV cache as the static path pads it (`row_bucket`,
   `width_bucket` in cod_fast.rollout.fast_decode), the CUDA graph's intermediates for one decode
   step, and vLLM's `gpu_memory_utilization` share while it is awake.
@@ -33,6 +37,7 @@ from cod_fast.ops.chunked import chunk_rows
 from cod_fast.rollout.fast_decode import row_bucket, width_bucket
 
 FLOAT32 = 4
+INT64 = 8
 REDUCE_BYTES = 4
 """FSDP2's reduce dtype for gradients here: float32 (cod_fast.distributed.fsdp)."""
 
@@ -146,6 +151,64 @@ def loss_terms(shape: ModelShape, rows: int, device: torch.device, itemsize: int
             f"{chunk:,} rows x {shape.vocab:,} logits x 4 B",
         ),
         Term("loss gradients", grads, f"(V {shape.vocab:,} + {rows:,} rows) x H x 4 B"),
+    ]
+
+
+ROW_BYTES = 2 * INT64
+"""Per token of a micro-batch, on every rank of a sequence-parallel group: its token id and
+position (the whole row moves to each rank; the shard's own are a share of it)."""
+SEQUENCE_LOSS_BYTES = 3 * INT64 + 4 * FLOAT32 + 2 * FLOAT32 + 20 * FLOAT32
+"""Per trainable token of a micro-batch, on every rank of a sequence-parallel group: its index,
+target and segment id (int64), advantage and rollout, old and reference log-probs (float32), the
+all-gather's padded parts of the log-prob and entropy, and the loss computed from the gathered
+values (cod_fast.ops.policy_loss): at most 20 float32 vectors alive at its peak, forward and
+backward, the gathered values included (tests/train/test_memory_plan.py counts them)."""
+
+
+def sequence_parallel_terms(
+    shape: ModelShape, tokens: int, size: int, rows: int, itemsize: int, checkpointing: bool
+) -> list[Term]:
+    """What a rank of a sequence-parallel group of `size` adds to its own `tokens` tokens'
+    activations and loss (train.sequence_parallel, cod_fast.ops.sequence_parallel), for
+    micro-batches of `size` x `tokens` tokens of which `rows` are trained on:
+
+    - attention layouts: the attention output exists twice, in head layout (the kernel keeps it
+      for its backward) and back in sequence layout (the output projection's input), one Hq x D
+      more a token for every layer that keeps its activations (one, recomputed, with gradient
+      checkpointing); key/value heads that `size` does not divide are repeated to the query
+      heads before the all-to-all, and the kernel keeps them so;
+    - all-to-all buffers: transient, one layer's q, k and v in the sequence layout (the
+      attention module still holds them while the kernel runs on their head layout, which the
+      activations count) and one more output-sized buffer (a send copy, the output received
+      back; in the backward the gradients the same way);
+    - loss vectors: the whole micro-batch's per-token values (`ROW_BYTES`,
+      `SEQUENCE_LOSS_BYTES`) on every rank: each rank computes the whole loss.
+    """
+    kv = shape.kv_heads if shape.kv_heads % size == 0 else shape.heads
+    d, layers = shape.head_dim, 1 if checkpointing else shape.layers
+    kept = tokens * layers * (shape.heads + 2 * (kv - shape.kv_heads)) * d * itemsize
+    repeat = f", {shape.kv_heads} kv heads repeated to {kv}" if kv != shape.kv_heads else ""
+    moved = tokens * (2 * shape.heads + 2 * kv) * d * itemsize
+    whole = size * tokens
+    vectors = whole * ROW_BYTES + rows * SEQUENCE_LOSS_BYTES
+    return [
+        Term(
+            "attention layouts",
+            kept,
+            f"{tokens:,} tokens x {layers} layer(s) x the output's 2nd layout{repeat}",
+        ),
+        Term(
+            "all-to-all buffers",
+            moved,
+            f"{tokens:,} tokens x (q, k, v + 1 buffer: 2 x {shape.heads} + 2 x {kv} heads) x "
+            f"{d} x {itemsize} B, one layer",
+        ),
+        Term(
+            "loss vectors",
+            vectors,
+            f"the whole micro-batch: {whole:,} tokens x {ROW_BYTES} B + {rows:,} trained x "
+            f"{SEQUENCE_LOSS_BYTES} B, on each of {size} ranks",
+        ),
     ]
 
 

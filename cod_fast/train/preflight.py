@@ -1,14 +1,16 @@
 """Checks of a run's config against the machine it starts on, before any compute.
 
 `cod_fast.config` judges what a config says on its own. Some values can only be judged where the
-run starts: `runtime.hsdp_replicate` against the world size torchrun gives, a model path against
-the files there (a model folder's config.json against its tokenizer and, with the built-in
-model's sizes, against this machine's memory), the device `runtime.device=auto` lands on against
-the model dtype, the kernel implementation (`COD_FAST_IMPL`, `runtime.kernel_impl`) against what
+run starts: `runtime.hsdp_replicate` and `train.sequence_parallel` against the world size
+torchrun gives (the latter against the model's attention heads too), a model path against the
+files there (a model folder's config.json against its tokenizer and, with the built-in model's
+sizes, against this machine's memory), the device `runtime.device=auto` lands on against the
+model dtype, the kernel implementation (`COD_FAST_IMPL`, `runtime.kernel_impl`) against what
 runs here, the torch sampler's KV cache for the run's largest batch against the device's memory,
-and `train.token_budget` against a prompt's length in the run's tokenizer. The `train` command
-calls `preflight` before it builds the Trainer, so such a value is one line naming the field (or
-variable), the value and the fix, not a traceback (or a stopped run) after minutes of compute.
+and `train.token_budget` (times `train.sequence_parallel`) against a prompt's length in the
+run's tokenizer. The `train` command calls `preflight` before it builds the Trainer, so such a
+value is one line naming the field (or variable), the value and the fix, not a traceback (or a
+stopped run) after minutes of compute.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from cod_fast.config import Config, ConfigError, clipped, refuse_cpu_dtype, shown
-from cod_fast.distributed.context import mesh_layout, resolve_device
+from cod_fast.distributed.context import check_sequence_parallel, mesh_layout, resolve_device
 from cod_fast.envs import Environment, env_class, make_envs
 from cod_fast.envs.packs import make_packs, pack_seeds
 from cod_fast.model.attention import resolve_attn_impl
@@ -35,7 +37,7 @@ from cod_fast.model.loading import (
     resolve_dtype,
     tiny_qwen3_config,
 )
-from cod_fast.model.shapes import model_shape, shape_of
+from cod_fast.model.shapes import model_shape, shape_of, transformers_config
 from cod_fast.ops import dispatch
 from cod_fast.rollout.chat import ChatFormat
 from cod_fast.rollout.choice import choose_sampler
@@ -46,7 +48,7 @@ from cod_fast.rollout.vllm_sampler import head_dim, kv_bytes_per_token, kv_heads
 from cod_fast.run.trackers import check_trackers
 from cod_fast.run.validate import environment_keys, validate
 from cod_fast.run.vocab import run_tokenizer
-from cod_fast.train.memory_plan import check_fits, plan_memory
+from cod_fast.train.memory_plan import check_fits, check_sequence_degree, plan_memory
 
 
 def preflight(cfg: Config) -> None:
@@ -69,6 +71,7 @@ def preflight(cfg: Config) -> None:
     _check_attention(cfg)
     _check_kernel_impls(cfg.runtime.kernel_impl)
     model = _check_model(cfg)
+    _check_sequence_parallel(cfg, model, world_size)
     if model is not None:
         _check_sampler_memory(cfg, model, world_size)
     device = resolve_device(cfg.runtime.device)
@@ -119,6 +122,28 @@ def _check_mesh(replicate: int, world_size: int) -> None:
             f"set it to a divisor of {world_size} (1: plain FSDP), or start a multiple of "
             f"{replicate} processes with torchrun",
         ) from None
+
+
+def _check_sequence_parallel(cfg: Config, model, world_size: int) -> None:
+    """train.sequence_parallel against the trainer ranks torchrun starts (the world less
+    runtime.rollout_ranks, within each HSDP replica) and the model's attention heads, which the
+    run would meet only as it builds its groups or, for the heads, at its first forward.
+    `model`: the model's transformers config (None: a hub id, whose heads are known here only
+    for the models of cod_fast.model.shapes.KNOWN_CONFIGS)."""
+    size = cfg.train.sequence_parallel
+    trainers = world_size - cfg.runtime.rollout_ranks
+    if size == 1 or trainers < 1:  # no rank left to train: refused as the processes start
+        return
+    replicate = cfg.runtime.hsdp_replicate  # one that does not divide: refused by _check_mesh
+    shard_ranks = trainers // replicate if trainers % replicate == 0 else trainers
+    if model is None:
+        try:
+            model = transformers_config(cfg.model)
+        except ModelFolderError:  # a hub id cod-fast does not know: its heads are unknown
+            check_sequence_parallel(size, shard_ranks, trainers)
+            return
+    name = cfg.model.name_or_path
+    check_sequence_degree(size, model.num_attention_heads, name, trainers, shard_ranks)
 
 
 def _check_explorers(cfg: Config) -> None:
@@ -270,15 +295,23 @@ def _check_token_budget(cfg: Config, envs: list[Environment]) -> None:
     if floor is None:
         return
     tokens, parts = floor
-    budget = cfg.train.token_budget
-    if budget < tokens:
-        cap = "rollout.max_response_tokens"
-        lower = f", or lower {cap}" if cfg.train.steps > 0 else ""
+    budget, size = cfg.train.token_budget, cfg.train.sequence_parallel
+    if budget * size >= tokens:  # a micro-batch holds token_budget tokens on each of its GPUs
+        return
+    lower = ", or lower rollout.max_response_tokens" if cfg.train.steps > 0 else ""
+    if size == 1:
         raise ConfigError(
             "train.token_budget",
             f"got {budget}, less than one sequence of this run ({parts} = {tokens} tokens); "
             f"set train.token_budget >= {tokens}{lower}",
         )
+    raise ConfigError(
+        "train.token_budget",
+        f"got {budget} with train.sequence_parallel={size}: micro-batches of {budget * size} "
+        f"tokens, less than one sequence of this run ({parts} = {tokens} tokens); raise "
+        f"train.token_budget to >= {-(-tokens // size)} or train.sequence_parallel to >= "
+        f"{-(-tokens // budget)}{lower}",
+    )
 
 
 def _sequence_floor(cfg: Config, envs: list[Environment]) -> tuple[int, str] | None:

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from cod_fast.common.errors import CodFastError
 from cod_fast.config import LossConfig
 from cod_fast.data.packing import MicroBatch, Sequence, build_microbatch, with_entropy_coef
+from cod_fast.data.sequence_split import with_sequence_shard
 from cod_fast.model.policy import Policy
 
 
@@ -60,6 +61,16 @@ def runnable(mb: MicroBatch, loss_config: LossConfig | None = None) -> MicroBatc
         ref_logp=empty if kl else None,
         teacher_logp=empty if loss_config.policy == "opd" else None,
     )
+
+
+def on_device(mb: MicroBatch, policy: Policy, device: torch.device) -> MicroBatch:
+    """`mb` on `device`, carrying this rank's shard when `policy` is sequence-parallel (cut on
+    the host, so the forward never reads its shape back from the device)."""
+    group = getattr(policy, "sequence_group", None)
+    held = None if mb.shard is None else (mb.shard.rank, mb.shard.size)
+    if group is not None and held != (group.rank, group.size):
+        mb = with_sequence_shard(mb, group.rank, group.size)
+    return mb.to(device)
 
 
 class _MetricSums:
@@ -134,15 +145,20 @@ def train_step(
     total = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     sums = _MetricSums(device)
+    # Under sequence parallelism every rank of a group computes its micro-batch's whole loss;
+    # the group's first rank counts it in the totals, the others add zeros (alike shapes).
+    counted = int(
+        getattr(policy, "sequence_group", None) is None or policy.sequence_group.rank == 0
+    )
     for mb in microbatches:
-        # Per-token entropy weights (update episodes' own) are built on the host, then copied
-        # with the micro-batch's other float32 tensors.
-        mb = with_entropy_coef(runnable(mb, loss_config), loss_config).to(device)
+        # Per-token entropy weights (update episodes' own) and a sequence-parallel rank's shard
+        # are built on the host, then copied with the micro-batch's other tensors.
+        mb = on_device(with_entropy_coef(runnable(mb, loss_config), loss_config), policy, device)
         out = policy(mb, loss_config=loss_config, denominator=denominator)
         out.loss.backward()
-        total += out.loss.detach().double()
-        tokens += mb.num_trainable
-        sums.add(out.metrics, mb.num_trainable)
+        total += out.loss.detach().double() * counted
+        tokens += mb.num_trainable * counted
+        sums.add(out.metrics, mb.num_trainable * counted)
     norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
     if isinstance(norm, DTensor):  # FSDP2: the norm over every shard
         norm = norm.full_tensor()

@@ -77,7 +77,7 @@ from cod_fast.train.checkpointer import Checkpointer
 from cod_fast.train.record import BatchSteps, mean, step_record
 from cod_fast.train.replay import ReplayBatches
 from cod_fast.train.schedule import rl_lr, warm_start_lr
-from cod_fast.train.step import NonFiniteError, runnable, train_step
+from cod_fast.train.step import NonFiniteError, on_device, runnable, train_step
 from cod_fast.train.teachers import Teachers
 from cod_fast.train.warm_start import SFT_LOSS
 
@@ -121,6 +121,7 @@ class Trainer:
             timeout_s=cfg.runtime.dist_timeout_s,
             # Mixed precision shards even one process: FSDP2 keeps the float32 masters.
             one_rank_mesh=self.master_dtype != self.compute_dtype,
+            sequence_parallel=cfg.train.sequence_parallel,
         )
         self.device = self.ctx.device
         if cfg.runtime.keep_freed_memory and self.device.type == "cpu":
@@ -148,7 +149,9 @@ class Trainer:
         self.impl = None if cfg.runtime.kernel_impl == "auto" else cfg.runtime.kernel_impl
         plan = plan_samplers(cfg, model, self.tokenizer, self.ctx)
         self.policy = shard_policy(
-            Policy(model, self.impl), self.ctx, compute_dtype=self.compute_dtype
+            Policy(model, self.impl, self.ctx.sequence_group),
+            self.ctx,
+            compute_dtype=self.compute_dtype,
         )
         # vLLM starts after sharding, when its share of the GPU is free.
         self.samplers = start_samplers(cfg, plan, self.tokenizer, self.ctx, run_eval_sampling(cfg))
@@ -375,7 +378,8 @@ class Trainer:
         """Optimizer steps over the batch, split into `mini_batches` of whole rollouts, each
         trained train.epochs times over in RL (once in the warm start)."""
         self._sleep_samplers()  # no step trains beside a sampler's memory
-        budget, world = self.cfg.train.token_budget, self.ctx.world_size
+        ctx = self.ctx  # a sequence-parallel group: one data rank's micro-batches, N x budget
+        budget, world = self.cfg.train.token_budget * ctx.sequence_parallel, ctx.data_world
         share = self.cfg.train.share_prefix
         size = math.ceil(len(rollouts) / mini_batches)
         plans, out = [], BatchSteps()
@@ -384,14 +388,14 @@ class Trainer:
             sequences = rollout_sequences(episodes)
             layout = plan_microbatches(sequences, budget, world, share)
             if self.teachers is not None and loss is not SFT_LOSS:  # this rank's sequences
-                mine = [sequences[i] for mb in layout[self.ctx.rank] for i in mb]
+                mine = [sequences[i] for mb in layout[ctx.data_rank] for i in mb]
                 out.teacher.append(self.teachers.score(mine, loss, budget, share))
             batches = [
                 [build_microbatch([sequences[i] for i in mb], share) for mb in rank]
                 for rank in layout
             ]
             packed = sum(mb.num_tokens for rank in batches for mb in rank)
-            plans.append((batches[self.ctx.rank], step_totals(batches), packed))
+            plans.append((batches[ctx.data_rank], step_totals(batches), packed))
         if loss is not SFT_LOSS:
             for mbs, _, _ in plans:  # all before the first update: the policy that sampled
                 self._fill_logprobs(mbs, loss)
@@ -425,7 +429,7 @@ class Trainer:
         # Host copies (a wait for the device per micro-batch): the micro-batches stay on the host
         # until their optimizer step, so a batch's log-probs never hold device memory.
         for mb in microbatches:
-            batch = runnable(mb).to(self.device)
+            batch = on_device(runnable(mb), self.policy, self.device)
             if recompute:
                 mb.old_logp = self.policy(batch, loss_config=loss, mode="logprobs").cpu()
             if self.reference is not None:

@@ -1,7 +1,8 @@
 """Tested in the shapes users run: `cod-fast train` of a tiny model under torchrun on this CPU,
 gloo standing in for NCCL and the loopback address for nodes, in every topology of
 docs/gpu.md's matrix: several FSDP2 trainers (packs that divide unevenly among three), HSDP,
-trainers beside one or two rollout workers, and two nodes of two processes each.
+trainers beside one or two rollout workers, two nodes of two processes each, and sequence
+parallelism (pairs of trainers splitting each micro-batch) inside HSDP and beside a worker.
 
 Each topology: a run with a checkpoint after every step; SIGKILL to one rank once three steps
 are logged (torchrun then ends the others); `--resume` to the end. Then every step is logged
@@ -144,6 +145,10 @@ def one_process(tmp_path_factory) -> Path:
     return base / "run"
 
 
+def _rollout_ranks(extra: list[str]) -> int:
+    return next((int(x.split("=")[1]) for x in extra if x.startswith("runtime.rollout_ranks")), 0)
+
+
 TOPOLOGIES = {
     "2 trainers": (1, 2, [], 1),
     "3 trainers, uneven packs": (1, 3, [], 2),
@@ -151,6 +156,22 @@ TOPOLOGIES = {
     "2 trainers + 1 worker": (1, 3, ["runtime.rollout_ranks=1"], 1),
     "2 trainers + 2 workers": (1, 4, ["runtime.rollout_ranks=2"], 3),
     "2 nodes x 2: 3 trainers + 1 worker": (2, 2, ["runtime.rollout_ranks=1"], 2),
+    "sequence-parallel pairs in HSDP 2x2, recomputing activations": (
+        1,
+        4,
+        [
+            "train.sequence_parallel=2",
+            "runtime.hsdp_replicate=2",
+            "model.gradient_checkpointing=true",  # the backward repeats the all-to-alls
+        ],
+        2,
+    ),
+    "a sequence-parallel pair + 1 worker": (
+        1,
+        3,
+        ["train.sequence_parallel=2", "runtime.rollout_ranks=1"],
+        1,
+    ),
 }
 """name: (nodes, processes per node, settings, the rank killed)."""
 
@@ -174,6 +195,10 @@ def test_a_topology_resumes_after_a_kill_and_matches_one_process(name, tmp_path,
     assert codes == [0] * nodes, said[-4000:]
     violations = check(tmp_path / "trace-resumed")
     assert violations == [], "\n".join(map(str, violations))
+    if "sequence_parallel" in " ".join(extra):  # attention's all-to-alls ran on every trainer
+        for rank in range(nodes * per_node - _rollout_ranks(extra)):
+            trace = (tmp_path / "trace-resumed" / f"rank-{rank}.jsonl").read_text()
+            assert '"op": "all_to_all_single"' in trace, rank
 
     rows = _logged(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once, in order

@@ -23,12 +23,15 @@ import torch
 from cod_fast import LossConfig
 from cod_fast.bench.dispatch_count import DispatchCounter
 from cod_fast.data.packing import build_microbatch
+from cod_fast.data.sequence_split import with_sequence_shard
+from cod_fast.distributed.context import init_distributed, shutdown
 from cod_fast.model.attention import packed_attention_kwargs
 from cod_fast.model.loading import packed_hidden_states
 from cod_fast.model.policy import Policy
 from cod_fast.ops import linear_policy_loss
 from cod_fast.ops.dispatch import is_available
 from cod_fast.ops.linear_loss import TokenPairs
+from cod_fast.ops.sequence_parallel import SequenceGroup
 from cod_fast.train.step import train_step
 from tests.data.test_prefix_sharing import _group_sequences, _model
 
@@ -209,6 +212,33 @@ def test_a_training_step_never_waits_for_the_device(share):
         )
     assert count.syncs == []
     assert result.trainable_tokens == 2 * mb.num_trainable and result.metrics["kl"] >= 0
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["flat", "shared-prefix"])
+def test_a_sequence_parallel_step_never_waits_for_the_device(share):
+    """The same under sequence parallelism (a group of one rank, the collectives of any size
+    alike): with each micro-batch's shard cut on the host, the all-to-alls, the scoring of the
+    rank's tokens, the gather and the loss read nothing back."""
+    mb = build_microbatch(_group_sequences(random.Random(4)), share_prefix=share)
+    mb = with_sequence_shard(mb, 0, 1)
+    ctx = init_distributed("cpu", one_rank_mesh=True)
+    try:
+        policy = Policy(_model(4).float(), impl="cpp", sequence_group=SequenceGroup(None, 0, 1))
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        cfg = CONFIGS["rec-is-sequence-mis"]
+        train_step(policy, optimizer, [mb, mb], denominator=30.0, loss_config=cfg, grad_clip=1.0)
+        optimizer.step = lambda *a, **k: None  # its step counts are host tensors on CUDA
+        with DispatchCounter() as count:
+            result = train_step(
+                policy, optimizer, [mb, mb], denominator=30.0, loss_config=cfg, grad_clip=1.0
+            )
+        layers = _model(4).config.num_hidden_layers  # q/k/v and the output, both ways
+        assert count.ops["aten.alltoall_base_"] == 2 * 2 * 2 * layers
+        assert count.ops["aten.allgather_"] == 2  # one gather of log-prob and entropy per batch
+    finally:
+        shutdown(ctx)
+    assert count.syncs == []
+    assert result.trainable_tokens == 2 * mb.num_trainable
 
 
 def test_a_microbatch_moves_in_one_copy_per_dtype():

@@ -2,7 +2,8 @@
 built model, the activation term against the bytes autograd saves on a real forward, the
 training step's and the sampler's peaks against live tensor bytes counted while they run
 (bench/live_memory.py), the preflight's refusal on a declared GPU size, and `cod-fast plan` at
-Qwen3-1.7B, 8B and 32B shapes on this CPU."""
+Qwen3-1.7B, 8B and 32B shapes on this CPU; with sequence parallelism, its terms against the model's
+shape and what the sequence-parallel forward and loss keep."""
 
 from __future__ import annotations
 
@@ -11,21 +12,28 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 from typer.testing import CliRunner
 
+from bench.live_memory import LiveBytes
 from bench.plan import SHAPES, TOLERANCE, measured_step, planned_step, sampling_case
 from bench.train_workload import StepShape, build_model, step_batch
 from cod_fast.cli.app import app
-from cod_fast.config import ConfigError, ModelConfig
+from cod_fast.config import ConfigError, LossConfig, ModelConfig
 from cod_fast.config.presets import PRESETS
+from cod_fast.data.sequence_split import with_sequence_shard
 from cod_fast.model.loading import packed_hidden_states
 from cod_fast.model.shapes import KNOWN_CONFIGS, model_shape, shape_of
+from cod_fast.ops.loss_terms import LossInputs
+from cod_fast.ops.policy_loss import policy_loss_from_logp
+from cod_fast.ops.sequence_parallel import SequenceGroup
 from cod_fast.train.memory_plan import check_fits, plan_memory, with_setting
 from cod_fast.train.memory_terms import (
     activation_terms,
     layer_activation_bytes,
     loss_terms,
+    sequence_parallel_terms,
 )
 from cod_fast.train.preflight import check_plan
 
@@ -65,7 +73,7 @@ def test_known_models_have_their_released_sizes():
         model_shape(ModelConfig(name_or_path="someone/unknown-model"))
 
 
-def _saved_bytes(model, mb) -> int:
+def _saved_bytes(model, mb, sequence_group=None) -> int:
     """Bytes of the tensors autograd saves in a forward, weights left out."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -77,7 +85,7 @@ def _saved_bytes(model, mb) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        packed_hidden_states(model, mb)
+        packed_hidden_states(model, mb, sequence_group)
     return sum(seen.values())
 
 
@@ -251,3 +259,181 @@ def test_a_vllm_share_that_cannot_hold_the_model_does_not_fit():
     fits = node_of_80("Qwen/Qwen3-14B")
     assert fits.fits() and fits.engine[0] < fits.engine[1]
     assert node_of_80("Qwen/Qwen3-32B", sampler="torch").engine is None
+
+
+def _node_of_80(sp: int, budget: int, model: str = "Qwen/Qwen3-32B", gpus: int = 8, **train):
+    """The plan of the qwen3-8b preset at `model`, 16-bit masters, on `gpus` GPUs of 80 GiB."""
+    cfg = with_setting(PRESETS["qwen3-8b"](), "model", name_or_path=model)
+    cfg = with_setting(
+        cfg, "train", master_dtype="model", sequence_parallel=sp, token_budget=budget, **train
+    )
+    shape = model_shape(cfg.model)
+    return plan_memory(cfg, shape, gpus=gpus, memory=80 * 2**30, sampler="vllm"), shape
+
+
+def _step_terms(plan) -> dict[str, int]:
+    return {t.name: t.bytes for t in plan.phase("training step").terms}
+
+
+SP_TERMS = {"attention layouts", "all-to-all buffers", "loss vectors"}
+
+
+def test_sequence_parallel_one_plans_as_before():
+    """train.sequence_parallel=1 adds no term and no note; the longest sequence is the budget."""
+    plan, _ = _node_of_80(1, 26624)
+    assert not SP_TERMS & {t.name for p in plan.phases for t in p.terms}
+    assert not any("train.sequence_parallel" in n for n in plan.notes)
+    assert (plan.sequence_parallel, plan.longest_sequence) == (1, 26624)
+
+
+@pytest.mark.parametrize("sp", [2, 4, 8])
+def test_sequence_parallel_at_qwen3_32b_on_a_node_of_80_gib(sp):
+    """Qwen3-32B (64 query, 8 key/value heads of 128, 64 layers) on 8 GPUs: at the same
+    token_budget a GPU every term of the SP=1 step keeps its bytes (activations, loss chunks:
+    the rank's own tokens); the SP terms, from the shape: the attention output's second layout
+    (one recomputed layer under checkpointing), one layer's q, k, v and one buffer, and the
+    whole micro-batch's per-token vectors on every rank (N-fold); sequences N x as long."""
+    budget = 6656
+    one, shape = _node_of_80(1, budget)
+    plan, _ = _node_of_80(sp, budget)
+    assert (shape.heads, shape.kv_heads, shape.head_dim) == (64, 8, 128)
+    steps, base = _step_terms(plan), _step_terms(one)
+    assert {name: steps[name] for name in base} == base
+    assert set(steps) - set(base) == SP_TERMS
+    assert steps["attention layouts"] == budget * 1 * 64 * 128 * 2
+    assert steps["all-to-all buffers"] == budget * (2 * 64 + 2 * 8) * 128 * 2
+    whole = sp * budget
+    assert steps["loss vectors"] == whole * 16 + whole * (3 * 8 + 4 * 4 + 2 * 4 + 20 * 4)
+    assert plan.longest_sequence == sp * budget
+    assert f"micro-batches of up to {sp * budget:,} tokens over {sp} GPUs" in plan.notes[0]
+    assert plan.phase("sampling").bytes == one.phase("sampling").bytes
+
+
+def test_sequence_parallel_splits_a_long_packs_activations():
+    """A 26,624-token pack over 4 GPUs: each holds a quarter of its activations, so the step's
+    peak drops by three quarters of them less the SP terms."""
+    whole, _ = _node_of_80(1, 26624)
+    split, _ = _node_of_80(4, 26624 // 4)
+    act_whole, act_split = _step_terms(whole)["activations"], _step_terms(split)["activations"]
+    assert act_whole == 4 * act_split
+    assert split.longest_sequence == whole.longest_sequence == 26624
+    extra = sum(_step_terms(split)[n] for n in SP_TERMS)
+    shrink = _step_terms(whole)["loss gradients"] - _step_terms(split)["loss gradients"]
+    shrink += _step_terms(whole)["loss inputs"] - _step_terms(split)["loss inputs"]
+    drop = whole.phase("training step").bytes - split.phase("training step").bytes
+    assert drop == act_whole - act_split + shrink - extra
+
+
+def test_sequence_parallel_repeats_kv_heads_it_does_not_split():
+    """16 ranks over Qwen3-32B's 8 key/value heads: each is repeated to the query heads before
+    the all-to-all, and the kernel keeps them so (2 x 56 heads more a token)."""
+    plan, _ = _node_of_80(16, 4096, gpus=16, warm_start_steps=0)
+    steps = _step_terms(plan)
+    assert steps["attention layouts"] == 4096 * (64 + 2 * (64 - 8)) * 128 * 2
+    assert steps["all-to-all buffers"] == 4096 * (2 * 64 + 2 * 64) * 128 * 2
+
+
+@pytest.mark.parametrize(
+    ("sp", "gpus", "model", "replicate", "said"),
+    [
+        (2, 3, "Qwen/Qwen3-32B", 1, "does not divide the 3 trainer rank(s)"),
+        (16, 16, "Qwen/Qwen3-32B", 2, "in replicas of 8 (runtime.hsdp_replicate)"),
+        (16, 16, "Qwen/Qwen3-14B", 1, "40 attention heads of Qwen/Qwen3-14B"),
+    ],
+)
+def test_plan_refuses_a_sequence_parallel_degree_that_does_not_divide(
+    sp, gpus, model, replicate, said
+):
+    """The degree must divide the trainer GPUs (each HSDP replica's) and the attention heads;
+    the refusal is a ConfigError (a ValueError) on train.sequence_parallel with the fix."""
+    cfg = with_setting(PRESETS["qwen3-8b"](), "model", name_or_path=model)
+    cfg = with_setting(cfg, "train", sequence_parallel=sp)
+    cfg = with_setting(cfg, "runtime", hsdp_replicate=replicate)
+    with pytest.raises(ValueError) as refused:
+        plan_memory(cfg, model_shape(cfg.model), gpus=gpus)
+    assert isinstance(refused.value, ConfigError)
+    assert refused.value.key == "train.sequence_parallel" and said in str(refused.value)
+    assert "set it to" in str(refused.value) and "\n" not in str(refused.value)
+    if "heads" in said:  # gcd(40, 16) = 8
+        assert "set it to 2, 4, 8 (divisors of the heads and of the 16 trainer ranks)" in str(
+            refused.value
+        )
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        {},
+        {"kl": "k3", "beta": 0.1, "entropy_coef": 0.01, "rollout_correction": "tis"},
+        {
+            "policy": "rec_one_side",
+            "ratio_level": "sequence",
+            "agg": "seq-mean-token-mean",
+            "rollout_correction": "mis_sequence",
+            "kl": "k2",
+            "beta": 0.1,
+            "entropy_coef": 0.01,
+        },
+    ],
+    ids=["ppo", "kl-entropy-tis", "gspo-mis"],
+)
+def test_sequence_parallel_loss_stays_within_its_20_vectors(loss):
+    """Under sequence parallelism every rank computes the whole micro-batch's loss from the
+    gathered log-probs and entropies (cod_fast.ops.policy_loss): the live bytes of its forward
+    and backward, those two vectors included, stay within the 20 float32 vectors a token the
+    plan's `loss vectors` counts, and above 15 (the count is no loose bound)."""
+    n, g = 20_000, torch.Generator().manual_seed(0)
+    advantages = torch.randn(n, generator=g)
+    old, roll, ref, gathered_logp = (-torch.rand(n, generator=g) for _ in range(4))
+    gathered_entropy = torch.rand(n, generator=g)
+    # The micro-batch's own vectors, made before the count: the term counts them apart.
+    inputs = LossInputs(
+        advantages, torch.arange(n) // 400, old_logp=old, rollout_logp=roll, ref_logp=ref,
+        denominator=float(n), num_segments=n // 400,
+    )  # fmt: skip
+    with LiveBytes() as live:
+        logp = gathered_logp.clone().requires_grad_()
+        entropy = gathered_entropy.clone().requires_grad_()
+        value, _ = policy_loss_from_logp(
+            logp, inputs, loss_config=LossConfig(**loss), entropy=entropy
+        )
+        value.backward()
+    assert 15 * 4 * n <= live.peak <= 20 * 4 * n, live.peak / n
+
+
+@pytest.fixture
+def one_rank_group():
+    """A sequence-parallel group of one gloo rank in this process (the default group)."""
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield SequenceGroup(None, 0, 1)
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_attention_layouts_term_is_what_the_sequence_parallel_path_saves_more(
+    one_rank_group, checkpointing
+):
+    """The sequence-parallel forward (all-to-alls around attention, here over one rank) saves
+    one attention output more a layer than the plain one, Hq x D a token: the output
+    projection's input in sequence layout beside the kernel's in head layout. Under
+    checkpointing the forward saves the same; the term is the recomputed layer's."""
+    step = StepShape(
+        layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16, intermediate=50, vocab=300,
+        tokens=400, micro_batches=1,
+    )  # fmt: skip
+    model = build_model(step, "cpu", torch.float32, grad_ckpt=checkpointing, lean=True)
+    mb = step_batch(step)[0][0]
+    tokens = mb.num_tokens
+    plain = _saved_bytes(model, mb)
+    sharded = _saved_bytes(model, with_sequence_shard(mb, 0, 1), one_rank_group)
+    shape = shape_of(model.config, "step")
+    term = sequence_parallel_terms(shape, tokens, 1, tokens, 4, checkpointing)[0]
+    assert term.name == "attention layouts"
+    expected = 0 if checkpointing else tokens * step.layers * step.heads * step.head_dim * 4
+    assert sharded - plain == expected
+    assert term.bytes == tokens * (1 if checkpointing else step.layers) * 4 * 16 * 4

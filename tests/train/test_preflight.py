@@ -411,3 +411,88 @@ def test_bpe_tokenizer_of_the_preflight_is_kept_where_the_run_finds_it(tmp_path)
         env, DriverSettings.from_config(cfg), cfg.model.vocab_size, cfg.train.seed
     )
     assert load_saved_tokenizer(saved).get_vocab() == fresh.get_vocab()
+
+
+def torchrun(monkeypatch, world_size: int) -> None:
+    """The main rank of `world_size` processes under torchrun (its variables, no process)."""
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sets", "said"),
+    [
+        (3, ["train.sequence_parallel=2"], "got 2, which does not divide the 3 trainer rank(s)"),
+        (
+            4,
+            ["train.sequence_parallel=2", "runtime.rollout_ranks=1"],
+            "got 2, which does not divide the 3 trainer rank(s)",
+        ),
+        (
+            4,
+            ["train.sequence_parallel=4", "runtime.hsdp_replicate=2"],
+            "4 trainer rank(s) in replicas of 2 (runtime.hsdp_replicate)",
+        ),
+        (
+            8,
+            ["train.sequence_parallel=8"],
+            "got 8, which does not divide the 4 attention heads of builtin:tiny-qwen3",
+        ),
+        (
+            16,
+            # the tiny-cpu preset: a config naming its model alone starts from a GPU preset
+            ["train.sequence_parallel=16", "model.name_or_path=Qwen/Qwen3-14B", "tiny-cpu"],
+            "does not divide the 40 attention heads of Qwen/Qwen3-14B",
+        ),
+    ],
+    ids=["world", "rollout-ranks", "hsdp", "heads", "hub-id-heads"],
+)
+def test_train_refuses_a_sequence_parallel_degree_that_does_not_divide(
+    built, monkeypatch, world_size, sets, said
+):
+    """train.sequence_parallel must divide the trainer ranks (the world less the rollout
+    workers, within each HSDP replica) and the model's attention heads (the built-in model's 4,
+    a known hub id's 40), which the run met only as it made its groups or at its first forward;
+    refused before the Trainer, naming what it must divide and the degrees that work."""
+    torchrun(monkeypatch, world_size)
+    args = [x for s in sets for x in (("--set", s) if "=" in s else ("--preset", s))]
+    message = _refused(built, "train.sequence_parallel", *args)
+    assert said in message
+    if "heads" in said:
+        works = "2, 4" if world_size == 8 else "2, 4, 8"  # divisors of gcd(heads, ranks)
+        assert f"set it to {works} (divisors of the heads and of the {world_size}" in message
+
+
+def test_sequence_parallel_degrees_that_divide_pass_the_preflight(monkeypatch):
+    """2 and 4 over the built-in model's 4 heads on 4 ranks, and 2 per HSDP replica of 2."""
+    torchrun(monkeypatch, 4)
+    monkeypatch.setenv("RANK", "1")  # the token-budget check (main rank only) is tested below
+    for sets in (["train.sequence_parallel=2"], ["train.sequence_parallel=4"]):
+        preflight(load_config(overrides=[CHAR, *sets]))
+    preflight(
+        load_config(overrides=[CHAR, "train.sequence_parallel=2", "runtime.hsdp_replicate=2"])
+    )
+
+
+def test_token_budget_bound_is_one_sequence_over_the_sequence_parallel_group(built, monkeypatch):
+    """With train.sequence_parallel=2 a micro-batch holds twice train.token_budget: a sequence
+    longer than the budget but within twice it passes; one longer than twice it is refused,
+    naming both keys and the value each needs."""
+    cfg = load_config(overrides=[CHAR])
+    floor = _first_prompt_tokens(cfg) + cfg.rollout.max_response_tokens
+    half = -(-floor // 2)
+    assert half < floor
+    torchrun(monkeypatch, 2)
+    preflight(
+        load_config(overrides=[CHAR, "train.sequence_parallel=2", f"train.token_budget={half}"])
+    )
+    message = _refused(
+        built,
+        "train.token_budget",
+        *("--set", "train.sequence_parallel=2", "--set", f"train.token_budget={half - 1}"),
+    )
+    assert (
+        f"got {half - 1} with train.sequence_parallel=2: micro-batches of {2 * half - 2}" in message
+    )
+    assert f"= {floor} tokens); raise train.token_budget to >= {half} or " in message
+    assert f"train.sequence_parallel to >= {-(-floor // (half - 1))}" in message
