@@ -85,11 +85,7 @@ class Policy(torch.nn.Module):
             mb.targets,
             mb.advantages,
             mb.segment_ids,
-            old_logp=mb.old_logp,
-            rollout_logp=mb.rollout_logp,
-            ref_logp=mb.ref_logp,
-            teacher_logp=mb.teacher_logp,
-            entropy_coef=mb.entropy_coef,
+            **_token_values(mb),
             loss_config=loss_config,
             denominator=denominator,
             impl=self.impl,
@@ -133,19 +129,21 @@ class Policy(torch.nn.Module):
         inputs = LossInputs(
             mb.advantages,
             mb.segment_ids,
-            old_logp=mb.old_logp,
-            rollout_logp=mb.rollout_logp,
-            ref_logp=mb.ref_logp,
-            teacher_logp=mb.teacher_logp,
+            **_token_values(mb),
             denominator=denominator,
             num_segments=mb.num_segments,
-            entropy_coef=mb.entropy_coef,
         )
         inputs.check(mb.num_trainable)
         loss, metrics = policy_loss_from_logp(
             logp, inputs, loss_config=loss_config, entropy=entropy
         )
         return PolicyLossOutput(loss=loss, logp=logp.detach(), metrics=metrics)
+
+
+def _token_values(mb: MicroBatch) -> dict[str, torch.Tensor | None]:
+    """The micro-batch's per-token log-probs and entropy weights, as the loss takes them."""
+    names = ("old_logp", "rollout_logp", "ref_logp", "teacher_logp", "entropy_coef")
+    return {name: getattr(mb, name) for name in names}
 
 
 def _check_vocabulary(mb: MicroBatch, vocab: int) -> None:

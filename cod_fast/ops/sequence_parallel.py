@@ -81,45 +81,37 @@ def _to_sequence(xs: tuple[torch.Tensor, ...], sp: SequenceGroup) -> tuple[torch
     )
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """`_to_heads` or `_to_sequence` forward; the other one is its backward."""
+
     @staticmethod
-    def forward(ctx, sp, *xs):
-        ctx.sp = sp
-        return _to_heads(xs, sp)
+    def forward(ctx, sp, to_heads, *xs):
+        ctx.sp, ctx.to_heads = sp, to_heads
+        return (_to_heads if to_heads else _to_sequence)(xs, sp)
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, *_to_sequence(grads, ctx.sp)
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, sp, *xs):
-        ctx.sp = sp
-        return _to_sequence(xs, sp)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return None, *_to_heads(grads, ctx.sp)
+        back = _to_sequence if ctx.to_heads else _to_heads
+        return None, None, *back(grads, ctx.sp)
 
 
 def seq_to_heads(sp: SequenceGroup, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[T/N, H_i, D] of this rank's tokens -> [T, H_i/N, D] each: every token of the rank's
     heads (rank r gets heads r H_i/N ... (r+1) H_i/N - 1 of each), in one all-to-all.
     Differentiable."""
-    return _SeqToHeads.apply(sp, *xs)
+    return _Exchange.apply(sp, True, *xs)
 
 
 def heads_to_seq(sp: SequenceGroup, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """[T, h_i, D] each -> [T/N, N h_i, D] each: the inverse of `seq_to_heads`. Differentiable."""
-    return _HeadsToSeq.apply(sp, *xs)
+    return _Exchange.apply(sp, False, *xs)
 
 
 class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, counts, order, sp):
         ctx.start, ctx.count, ctx.order = sum(counts[: sp.rank]), rows.shape[0], order
-        padded = rows.new_zeros((max(counts), *rows.shape[1:]))
+        padded = rows.new_zeros((max(*counts, 1), *rows.shape[1:]))  # no empty collective
         padded[: rows.shape[0]] = rows
         parts = [torch.empty_like(padded) for _ in range(sp.size)]
         dist.all_gather(parts, padded, group=sp.group)

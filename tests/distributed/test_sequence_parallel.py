@@ -24,7 +24,7 @@ from cod_fast.model.policy import Policy
 from cod_fast.ops import aggregation_denominator
 from cod_fast.train.step import on_device, runnable, train_step
 from tests.data.test_sequence_split import episodes
-from tests.dist_worker import spawn_ranks
+from tests.dist_worker import spawn_ranks, start_rank
 
 # 4 query heads over 2 key/value heads: SP=2 splits both, SP=4 repeats the key/value heads.
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=48)
@@ -102,14 +102,7 @@ def fresh(ctx=None):
 
 
 def sp_rank(rank: int, world: int, port: int, out: str, sp: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+    start_rank(rank, world, port)
     ctx = init_distributed("cpu", sequence_parallel=sp)
     policy, optimizer = fresh(ctx)
     seen = run_steps(policy, optimizer, lambda b: b[ctx.data_rank], sp, ctx.data_world)

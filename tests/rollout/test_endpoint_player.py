@@ -5,7 +5,6 @@ scripted per test: failures, retries, timeouts, redirects, the API key)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 
@@ -26,22 +25,10 @@ from cod_fast.rollout.endpoint_player import (
 )
 from cod_fast.rollout.judge_clients import API_KEY_VARS as JUDGE_KEY_VARS
 from cod_fast.rollout.sampler import request_seed
-from tests.endpoint_server import Server, completion, serving
+from tests.endpoint_server import Server, completion
 
 KEY = "sk-eval-51c0de"
 SENTINELS = "".join(map(chr, ROLES))
-
-
-@pytest.fixture
-def start_server():
-    """Starts scripted endpoints, as many as a test asks for; all shut down after it."""
-    with contextlib.ExitStack() as stack:
-        yield lambda: stack.enter_context(serving(Server()))
-
-
-@pytest.fixture
-def server(start_server):
-    return start_server()
 
 
 @pytest.fixture(autouse=True)

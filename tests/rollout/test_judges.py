@@ -32,7 +32,7 @@ from cod_fast.rollout.judge_clients import (
     judge_problem,
     make_judge,
 )
-from tests.endpoint_server import Server, completion, serving
+from tests.endpoint_server import completion
 from tests.rollout_helpers import save_tiny_qwen3
 
 QUERY = JudgeQuery(
@@ -57,19 +57,6 @@ def one_line_error(judge: Judge, match: str) -> str:
 
 
 # --- an OpenAI-compatible endpoint ----------------------------------------------------------------
-
-
-@pytest.fixture
-def start_server():
-    """Starts scripted endpoints, as many as a test asks for; all shut down after it."""
-    with contextlib.ExitStack() as stack:
-        yield lambda: stack.enter_context(serving(Server()))
-
-
-@pytest.fixture
-def server(start_server):
-    """One scripted endpoint."""
-    return start_server()
 
 
 class RawServer:
