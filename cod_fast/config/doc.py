@@ -70,6 +70,7 @@ COUNTERPARTS: dict[str, tuple[str, str]] = {
     "train.weight_decay": ("weight_decay", "actor_rollout_ref.actor.optim.weight_decay"),
     "train.grad_clip": ("max_grad_norm", "actor_rollout_ref.actor.grad_clip"),
     "train.token_budget": ("", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    "train.sequence_parallel": ("", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
     "train.seed": ("seed", ""),
     "runtime.run_dir": ("output_dir", "trainer.default_local_dir"),
     "runtime.checkpoint_every": ("save_steps", "trainer.save_freq"),

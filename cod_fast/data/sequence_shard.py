@@ -53,6 +53,14 @@ class SequenceShard:
     cu_seqlens_k: torch.Tensor | None = None
     seqlens_k: tuple[int, ...] | None = None
     max_seqlen_k: int = 0
+    pair_rows: torch.Tensor | None = None
+    """[P] the distinct (row, target) pairs of the rank's tokens, when members that wrote the
+    same response (a prefix tree's repeated pairs) make them few enough to score each once
+    (cod_fast.ops.linear_loss.DEDUPE_SHARE); None: every token scored."""
+    pair_targets: torch.Tensor | None = None
+    """[P] their targets."""
+    pair_of_token: torch.Tensor | None = None
+    """[n] each of the rank's tokens' pair."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SequenceShard:
         """A copy with every tensor on `device`."""

@@ -9,6 +9,7 @@ import torch
 
 from cod_fast.data.packing import MicroBatch
 from cod_fast.data.sequence_shard import SequenceShard
+from cod_fast.ops.linear_loss import DEDUPE_SHARE, TokenPairs
 
 
 def shard_microbatch(mb: MicroBatch, rank: int, size: int) -> SequenceShard:
@@ -40,6 +41,8 @@ def shard_microbatch(mb: MicroBatch, rank: int, size: int) -> SequenceShard:
             "seqlens_k": mb.seqlens_k + ((pad,) if pad else ()),
             "max_seqlen_k": max(mb.max_seqlen_k, pad),
         }
+    if mb.pair_rows is not None:  # some tokens repeat a (row, target) pair
+        keys.update(_distinct_pairs(mb.trainable_idx[held] - rank * width, mb.targets[held]))
     seqlens = mb.seqlens if mb.seqlens is not None else tuple(mb.cu_seqlens.diff().tolist())
     return SequenceShard(
         rank=rank,
@@ -55,6 +58,15 @@ def shard_microbatch(mb: MicroBatch, rank: int, size: int) -> SequenceShard:
         order=order,
         **keys,
     )
+
+
+def _distinct_pairs(rows: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rank's distinct (row, target) pairs, found on the host, when they are at most
+    DEDUPE_SHARE of its tokens (as the one-rank loss scores them); else none."""
+    pairs = TokenPairs.from_lists(rows.tolist(), targets.tolist())
+    if pairs.rows.numel() > DEDUPE_SHARE * rows.numel():
+        return {}
+    return {"pair_rows": pairs.rows, "pair_targets": pairs.targets, "pair_of_token": pairs.repeat}
 
 
 def _padded_offsets(offsets: torch.Tensor, pad: int) -> torch.Tensor:

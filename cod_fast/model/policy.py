@@ -101,7 +101,8 @@ class Policy(torch.nn.Module):
         """`forward` over this rank's shard of `mb`: the decoder on its tokens, its trainable
         tokens scored, every rank's log-probs (and entropies) gathered in token order, and the
         whole micro-batch's loss from them on every rank of the group (see
-        cod_fast.ops.sequence_parallel). Repeated (row, target) pairs are scored per token."""
+        cod_fast.ops.sequence_parallel). Repeated (row, target) pairs are scored once, as
+        in one process."""
         shard, group = mb.shard, self.sequence_group
         if shard is None or shard.size != group.size or shard.rank != group.rank:
             raise ValueError(
@@ -111,10 +112,13 @@ class Policy(torch.nn.Module):
         states = packed_hidden_states(self.model, mb, group)
         weight = lm_head_weight(self.model)
         _check_vocabulary(mb, weight.shape[0])
+        rows, targets = shard.rows, mb.targets[shard.tokens]
+        if shard.pair_rows is not None:  # repeated (row, target) pairs: each scored once
+            rows, targets = shard.pair_rows, shard.pair_targets
         scored = sharded_logprobs(
-            states[shard.rows],
+            states[rows],
             weight,
-            mb.targets[shard.tokens],
+            targets,
             shard.counts,
             shard.order,
             group,
@@ -122,6 +126,7 @@ class Policy(torch.nn.Module):
             impl=self.impl,
             return_entropy=mode == "loss",
             check_targets=mb.max_target is None,
+            repeat=shard.pair_of_token,
         )
         if mode == "logprobs":
             return scored

@@ -157,11 +157,14 @@ def sharded_logprobs(
     impl: str | None = None,
     return_entropy: bool = False,
     check_targets: bool = True,
+    repeat: torch.Tensor | None = None,
 ):
     """`linear_logprobs` of this rank's trainable tokens (hidden [n, H], targets [n]), then
     every rank's in the micro-batch's token order (`gather_tokens`): log-probs [N], and entropy
     [N] with `return_entropy`, on every rank of the group. The loss computed from them is the
-    whole micro-batch's, and each rank's backward reaches its own tokens' rows only."""
+    whole micro-batch's, and each rank's backward reaches its own tokens' rows only.
+    With `repeat` ([n], each token's row of `hidden`), hidden and targets hold the rank's
+    distinct (row, target) pairs, each scored once and repeated per token."""
     scored = linear_logprobs(
         hidden,
         weight,
@@ -172,5 +175,7 @@ def sharded_logprobs(
         check_targets=check_targets,
     )
     rows = torch.stack(scored, dim=1) if return_entropy else scored[:, None]
+    if repeat is not None:
+        rows = rows[repeat]
     joined = gather_tokens(rows, counts, order, sp)
     return tuple(joined.unbind(1)) if return_entropy else joined[:, 0]

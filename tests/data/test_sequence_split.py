@@ -95,6 +95,23 @@ def test_the_shared_layout_needs_an_order_and_the_flat_one_none():
     assert shared.pair_rows is not None  # members that wrote the same response
 
 
+def test_a_rank_scores_its_repeated_pairs_once():
+    """Members that wrote the same response read the same rows with the same targets: the rank
+    holding them keeps each distinct (row, target) pair once, and every token its pair."""
+    shared = build_microbatch(rollout_sequences(episodes(7)), share_prefix=True)
+    shards = [shard_microbatch(shared, r, 2) for r in range(2)]
+    deduped = [s for s in shards if s.pair_rows is not None]
+    assert deduped
+    for s in deduped:
+        targets = shared.targets[s.tokens]
+        assert torch.equal(s.pair_rows[s.pair_of_token], s.rows)
+        assert torch.equal(s.pair_targets[s.pair_of_token], targets)
+        pairs = set(zip(s.rows.tolist(), targets.tolist(), strict=True))
+        assert s.pair_rows.numel() == len(pairs) < s.rows.numel()
+    flat = build_microbatch(rollout_sequences(episodes(7)))
+    assert all(shard_microbatch(flat, r, 2).pair_rows is None for r in range(2))
+
+
 def test_a_one_token_microbatch_pads_every_rank_and_an_empty_one_is_refused():
     one = build_microbatch(rollout_sequences(episodes(0))[:1])
     placeholder = runnable(build_microbatch([]))
