@@ -27,6 +27,7 @@ def shard_microbatch(mb: MicroBatch, rank: int, size: int) -> SequenceShard:
     owner = torch.div(mb.trainable_idx, width, rounding_mode="floor")
     counts = torch.bincount(owner, minlength=size).tolist()
     held = torch.nonzero(owner == rank).flatten()
+    rows = mb.trainable_idx[held] - rank * width
     order = None
     if not bool((owner[1:] >= owner[:-1]).all()):  # not one rank's tokens after another's
         by_rank = torch.argsort(owner, stable=True)  # the concatenation's tokens
@@ -42,7 +43,7 @@ def shard_microbatch(mb: MicroBatch, rank: int, size: int) -> SequenceShard:
             "max_seqlen_k": max(mb.max_seqlen_k, pad),
         }
     if mb.pair_rows is not None:  # some tokens repeat a (row, target) pair
-        keys.update(_distinct_pairs(mb.trainable_idx[held] - rank * width, mb.targets[held]))
+        keys.update(_distinct_pairs(rows, mb.targets[held]))
     seqlens = mb.seqlens if mb.seqlens is not None else tuple(mb.cu_seqlens.diff().tolist())
     return SequenceShard(
         rank=rank,
@@ -52,7 +53,7 @@ def shard_microbatch(mb: MicroBatch, rank: int, size: int) -> SequenceShard:
         cu_seqlens=_padded_offsets(mb.cu_seqlens, pad),
         seqlens=seqlens + ((pad,) if pad else ()),
         max_seqlen=max(mb.max_seqlen, pad),
-        rows=mb.trainable_idx[held] - rank * width,
+        rows=rows,
         tokens=held,
         counts=tuple(counts),
         order=order,
