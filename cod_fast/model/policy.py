@@ -24,7 +24,7 @@ from cod_fast.ops import PolicyLossOutput, linear_logprobs, linear_policy_loss
 from cod_fast.ops.linear_loss import distinct_pairs
 from cod_fast.ops.loss_terms import LossInputs
 from cod_fast.ops.policy_loss import policy_loss_from_logp
-from cod_fast.ops.sequence_parallel import SequenceGroup, sharded_logprobs
+from cod_fast.ops.sequence_parallel import SequenceGroup, sharded_logprobs, sharded_policy_loss
 
 
 class Policy(torch.nn.Module):
@@ -98,11 +98,11 @@ class Policy(torch.nn.Module):
     def _sharded(
         self, mb: MicroBatch, loss_config: LossConfig, denominator: float | None, mode: str
     ) -> PolicyLossOutput | torch.Tensor:
-        """`forward` over this rank's shard of `mb`: the decoder on its tokens, its trainable
-        tokens scored, every rank's log-probs (and entropies) gathered in token order, and the
-        whole micro-batch's loss from them on every rank of the group (see
-        cod_fast.ops.sequence_parallel). Repeated (row, target) pairs are scored once, as
-        in one process."""
+        """`forward` over this rank's shard of `mb`: the decoder on its tokens, then the whole
+        micro-batch's loss (or log-probs) on every rank of the group from its trainable tokens
+        (see cod_fast.ops.sequence_parallel): through the fused driver over the rank's tokens
+        where it runs, else from every rank's log-probs and entropies gathered in token order.
+        Repeated (row, target) pairs are scored once, as in one process."""
         shard, group = mb.shard, self.sequence_group
         if shard is None or shard.size != group.size or shard.rank != group.rank:
             raise ValueError(
@@ -112,6 +112,27 @@ class Policy(torch.nn.Module):
         states = packed_hidden_states(self.model, mb, group)
         weight = lm_head_weight(self.model)
         _check_vocabulary(mb, weight.shape[0])
+        check, inputs = mb.max_target is None, None
+        if mode == "loss":
+            inputs = LossInputs(
+                mb.advantages,
+                mb.segment_ids,
+                **_token_values(mb),
+                denominator=denominator,
+                num_segments=mb.num_segments,
+            )
+            inputs.check(mb.num_trainable)
+        # One path for the whole group, as its collectives differ: the micro-batch's repeated
+        # pairs (known to every rank) send it to the log-probs, where each rank scores its own
+        # distinct pairs once; else the fused driver, where it runs.
+        if inputs is not None and mb.pair_rows is None:
+            hidden, targets = states[shard.rows], mb.targets[shard.tokens]
+            fused = sharded_policy_loss(
+                hidden, weight, targets, inputs, shard.tokens, shard.counts, shard.order, group,
+                loss_config=loss_config, impl=self.impl, check_targets=check,
+            )  # fmt: skip
+            if fused is not None:
+                return fused
         rows, targets = shard.rows, mb.targets[shard.tokens]
         if shard.pair_rows is not None:  # repeated (row, target) pairs: each scored once
             rows, targets = shard.pair_rows, shard.pair_targets
@@ -124,21 +145,13 @@ class Policy(torch.nn.Module):
             group,
             temperature=loss_config.temperature,
             impl=self.impl,
-            return_entropy=mode == "loss",
-            check_targets=mb.max_target is None,
+            return_entropy=inputs is not None,
+            check_targets=check,
             repeat=shard.pair_of_token,
         )
-        if mode == "logprobs":
+        if inputs is None:
             return scored
         logp, entropy = scored
-        inputs = LossInputs(
-            mb.advantages,
-            mb.segment_ids,
-            **_token_values(mb),
-            denominator=denominator,
-            num_segments=mb.num_segments,
-        )
-        inputs.check(mb.num_trainable)
         loss, metrics = policy_loss_from_logp(
             logp, inputs, loss_config=loss_config, entropy=entropy
         )

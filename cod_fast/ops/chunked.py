@@ -272,28 +272,68 @@ def fused_linear_policy_loss(
     loss_config: LossConfig,
 ) -> PolicyLossOutput:
     """`linear_policy_loss` through the chunked driver and the given row-kernel backend."""
-    gemms_dtype = compute_dtype(hidden, weight)
-    inv_temp = 1.0 / loss_config.temperature
-    chunk = chunk_rows(targets.shape[0], weight.shape[0], hidden.device, gemms_dtype)
+    inv_temp, chunk = 1.0 / loss_config.temperature, fused_chunk(hidden, weight, targets)
     prepass = None
     if loss_config.ratio_level == "sequence":
-        prepass, _, _ = logprobs_forward(
-            rows_impl, _Gemms(hidden, weight), targets, inv_temp, chunk
-        )
-    head = prepare_head(inputs, loss_config, prepass_logp=prepass, dtype=gemms_dtype)
+        prepass = prepass_logprobs(rows_impl, hidden, weight, targets, inv_temp, chunk)
+    head = prepare_head(
+        inputs, loss_config, prepass_logp=prepass, dtype=compute_dtype(hidden, weight)
+    )
+    loss, logp, entropy, clipped = fused_rows(
+        rows_impl, hidden, weight, targets, head, loss_config, chunk
+    )
+    metrics = fused_metrics(loss_config, inputs, head, logp, entropy, clipped)
+    return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)
+
+
+def fused_chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> int:
+    """Rows per chunk of the fused driver for these operands (`chunk_rows`)."""
+    dtype = compute_dtype(hidden, weight)
+    return chunk_rows(targets.shape[0], weight.shape[0], hidden.device, dtype)
+
+
+def prepass_logprobs(rows_impl, hidden, weight, targets, inv_temp: float, chunk: int):
+    """The current log-probs [N], detached: what sequence-level ratios need before the loss."""
+    return logprobs_forward(rows_impl, _Gemms(hidden, weight), targets, inv_temp, chunk)[0]
+
+
+def fused_rows(
+    rows_impl: ModuleType,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    head: HeadInputs,
+    loss_config: LossConfig,
+    chunk: int,
+):
+    """(loss, logp, entropy, clipped) of the tokens `head` describes: the scalar loss
+    differentiable in hidden and weight (its gradients formed chunk by chunk in the forward),
+    the rest per token and detached."""
     switches = kernel_switches(loss_config, on_policy=head.old is None)
     grad_on = torch.is_grad_enabled()
     needs = (grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
-    loss, logp, entropy, clipped = _FusedLinearPolicyLoss.apply(
+    inv_temp = 1.0 / loss_config.temperature
+    return _FusedLinearPolicyLoss.apply(
         hidden, weight, targets, head, switches, inv_temp, rows_impl, chunk, needs
     )
+
+
+def fused_metrics(
+    loss_config: LossConfig,
+    inputs: LossInputs,
+    head: HeadInputs,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    clipped: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The loss's metrics from the fused driver's per-token values (`loss_metrics`)."""
     if head.seq_ratio is not None:
         ratio = head.seq_ratio
     elif head.old is None:
         ratio = torch.ones_like(logp)
     else:
         ratio = (logp - head.old).exp()
-    metrics = loss_metrics(
+    return loss_metrics(
         loss_config,
         inputs,
         ratio=ratio,
@@ -302,4 +342,3 @@ def fused_linear_policy_loss(
         logp=logp,
         entropy=entropy,
     )
-    return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)

@@ -11,11 +11,15 @@ Query, key and value travel in one all-to-all (each rank's chunk holds its heads
 so a layer costs two all-to-alls forward and two backward, each moving (N-1)/N of the rank's
 q, k and v (or its output) once. The backward of each all-to-all is the other one.
 
-The loss then needs every trainable token's log-prob: `gather_tokens` puts each rank's rows
-(log-prob, entropy) in the micro-batch's token order on every rank, and every rank computes the
-same loss from them. Its backward therefore takes only the rank's own rows of the incoming
-gradient: each rank's loss is the whole micro-batch's, and the parameters' gradients are summed
-over the ranks (FSDP2's reduce-scatter), which counts each token's gradient exactly once.
+The loss, two ways. `sharded_policy_loss` runs the fused driver (cod_fast.ops.chunked) over the
+rank's own tokens, with everything its closed form reads prepared from the whole micro-batch
+(segment weights; for sequence-level ratios each segment's ratio from every rank's pre-pass
+log-probs); the group's losses are summed for the value, each rank keeps its own gradient.
+`sharded_logprobs` scores the rank's tokens with differentiable log-probs, and `gather_tokens`
+puts every rank's rows (log-prob, entropy) in the micro-batch's token order on every rank,
+where every rank computes the same loss from them; its backward takes only the rank's own rows
+of the incoming gradient. Either way the parameters' gradients are summed over the ranks
+(FSDP2's reduce-scatter), which counts each token's gradient exactly once.
 
 torch.distributed's all-to-all and all-gather run on NCCL and on gloo (the CPU tests).
 """
@@ -27,7 +31,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cod_fast.ops.logprobs import linear_logprobs
+from cod_fast.config import LossConfig
+from cod_fast.ops.chunked import (
+    compute_dtype,
+    fused_chunk,
+    fused_metrics,
+    fused_rows,
+    prepass_logprobs,
+)
+from cod_fast.ops.dispatch import resolve_impl, row_kernels
+from cod_fast.ops.logprobs import check_logprob_inputs, linear_logprobs
+from cod_fast.ops.loss_head import prepare_head
+from cod_fast.ops.loss_terms import LossInputs, PolicyLossOutput
 
 
 @dataclass(frozen=True)
@@ -179,3 +194,53 @@ def sharded_logprobs(
         rows = rows[repeat]
     joined = gather_tokens(rows, counts, order, sp)
     return tuple(joined.unbind(1)) if return_entropy else joined[:, 0]
+
+
+def sharded_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    inputs: LossInputs,
+    tokens: torch.Tensor,
+    counts: tuple[int, ...],
+    order: torch.Tensor | None,
+    sp: SequenceGroup,
+    *,
+    loss_config: LossConfig,
+    impl: str | None = None,
+    check_targets: bool = True,
+) -> PolicyLossOutput | None:
+    """The whole micro-batch's policy loss through the fused driver (cod_fast.ops.chunked),
+    which forms each token's gradient in closed form while its chunk's logits are at hand, over
+    this rank's tokens: hidden [n, H] and targets [n] of the tokens `tokens` ([n], their indices
+    among the micro-batch's), `inputs` the micro-batch's per-token values, all of them.
+
+    Everything the closed form reads is prepared from the whole micro-batch (segment weights,
+    and for sequence-level ratios each segment's ratio from every rank's pre-pass log-probs),
+    then taken at the rank's tokens. The returned loss's value is the group's sum, the whole
+    micro-batch's loss on every rank, and its gradient this rank's part; log-probs and metrics
+    are the whole micro-batch's. None where the driver does not run (the torch implementation):
+    the caller then scores log-probs (`sharded_logprobs`)."""
+    dtype = compute_dtype(hidden, weight)
+    name, _ = resolve_impl(impl, hidden.device, dtype)
+    if name == "torch":
+        return None
+    check_logprob_inputs(hidden, weight, targets, loss_config.temperature, check_targets)
+    inputs.check(sum(counts))
+    kernels, targets = row_kernels(name, dtype), targets.long()
+    chunk, inv_temp = fused_chunk(hidden, weight, targets), 1.0 / loss_config.temperature
+    prepass = None
+    if loss_config.ratio_level == "sequence":  # a segment's ratio needs all of its tokens
+        mine = prepass_logprobs(kernels, hidden, weight, targets, inv_temp, chunk)
+        prepass = gather_tokens(mine[:, None], counts, order, sp)[:, 0]
+    head = prepare_head(inputs, loss_config, prepass_logp=prepass, dtype=dtype)
+    loss, logp, entropy, clipped = fused_rows(
+        kernels, hidden, weight, targets, head.rows(tokens), loss_config, chunk
+    )
+    values = gather_tokens(torch.stack([logp, entropy, clipped], dim=1), counts, order, sp)
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=sp.group)
+    loss = loss + (total - loss.detach())  # the group's sum, this rank's gradient
+    logp, entropy, clipped = values.unbind(1)
+    metrics = fused_metrics(loss_config, inputs, head, logp, entropy, clipped)
+    return PolicyLossOutput(loss=loss, logp=logp, metrics=metrics)
