@@ -122,22 +122,22 @@ class Policy(torch.nn.Module):
                 num_segments=mb.num_segments,
             )
             inputs.check(mb.num_trainable)
+        rows, targets = shard.rows, mb.targets[shard.tokens]
+        if shard.pair_rows is not None:  # repeated (row, target) pairs: each scored once
+            rows, targets = shard.pair_rows, shard.pair_targets
+        hidden = states[rows]
         # One path for the whole group, as its collectives differ: the micro-batch's repeated
         # pairs (known to every rank) send it to the log-probs, where each rank scores its own
         # distinct pairs once; else the fused driver, where it runs.
         if inputs is not None and mb.pair_rows is None:
-            hidden, targets = states[shard.rows], mb.targets[shard.tokens]
             fused = sharded_policy_loss(
                 hidden, weight, targets, inputs, shard.tokens, shard.counts, shard.order, group,
                 loss_config=loss_config, impl=self.impl, check_targets=check,
             )  # fmt: skip
             if fused is not None:
                 return fused
-        rows, targets = shard.rows, mb.targets[shard.tokens]
-        if shard.pair_rows is not None:  # repeated (row, target) pairs: each scored once
-            rows, targets = shard.pair_rows, shard.pair_targets
         scored = sharded_logprobs(
-            states[rows],
+            hidden,
             weight,
             targets,
             shard.counts,

@@ -66,7 +66,7 @@ def runnable(mb: MicroBatch, loss_config: LossConfig | None = None) -> MicroBatc
 def on_device(mb: MicroBatch, policy: Policy, device: torch.device) -> MicroBatch:
     """`mb` on `device`, carrying this rank's shard when `policy` is sequence-parallel (cut on
     the host, so the forward never reads its shape back from the device)."""
-    group = getattr(policy, "sequence_group", None)
+    group = policy.sequence_group
     held = None if mb.shard is None else (mb.shard.rank, mb.shard.size)
     if group is not None and held != (group.rank, group.size):
         mb = with_sequence_shard(mb, group.rank, group.size)
@@ -147,9 +147,7 @@ def train_step(
     sums = _MetricSums(device)
     # Under sequence parallelism every rank of a group computes its micro-batch's whole loss;
     # the group's first rank counts it in the totals, the others add zeros (alike shapes).
-    counted = int(
-        getattr(policy, "sequence_group", None) is None or policy.sequence_group.rank == 0
-    )
+    counted = int(policy.sequence_group is None or policy.sequence_group.rank == 0)
     for mb in microbatches:
         # Per-token entropy weights (update episodes' own) and a sequence-parallel rank's shard
         # are built on the host, then copied with the micro-batch's other tensors.
